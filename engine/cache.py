@@ -1,0 +1,355 @@
+"""The slot pool: every piece of per-sequence state, indexed by `SlotId`.
+
+Per slot: K and V of every full-attention layer, the conv and recurrent state
+of every Gated DeltaNet layer, the MTP block's K and V, and the slot's length.
+All slots live in a few preallocated arrays (`[n_slots, ...]` per layer), so a
+step reads the rows of its slots with one gather per layer and writes them
+back with one scatter; slots outside the step are never touched.
+
+Rollback of speculative rows: a row run with capture leaves, per Gated
+DeltaNet layer, its conv window and its recurrent state after every position;
+`rollback(slot, keep)` keeps the first `keep` positions exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NewType
+
+import mlx.core as mx
+import numpy as np
+
+from engine.gguf import ModelConfig
+from engine.models.qwen35 import AttentionState, Layout, LinearCapture, LinearState
+
+SlotId = NewType("SlotId", int)
+
+
+class PoolError(RuntimeError):
+    """A request on the pool that cannot be honoured; the pool is unchanged."""
+
+
+class PoolExhaustedError(PoolError):
+    pass
+
+
+class ContextOverflowError(PoolError):
+    pass
+
+
+class SlotStateError(PoolError):
+    pass
+
+
+@dataclass
+class SlotCapture:
+    """What a capture row left for one slot: its start and, per linear layer, window and states."""
+
+    start: int
+    length: int
+    windows: list[mx.array]  # [Kc-1+T, Cc] per linear layer
+    states: list[mx.array]  # [T+1, Hv, dv, dk]: the state before the row, then after each position
+
+
+@dataclass
+class SlotSnapshot:
+    """A host copy of one slot: enough to restore it bit-exactly into any slot."""
+
+    length: int
+    mtp_length: int
+    kv: list[tuple[np.ndarray, np.ndarray]]  # per attention layer, [length, Hkv, D]
+    conv: list[np.ndarray]
+    ssm: list[np.ndarray]
+    mtp_kv: tuple[np.ndarray, np.ndarray] | None
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [a for pair in self.kv for a in pair] + self.conv + self.ssm
+        arrays += list(self.mtp_kv or ())
+        return sum(a.nbytes for a in arrays)
+
+
+@dataclass
+class SlotPool:
+    """Fixed-size pool of sequence slots for one model (see module docstring)."""
+
+    config: ModelConfig
+    n_slots: int
+    max_context: int
+    kv_dtype: mx.Dtype = mx.float16
+    max_draft: int = 0
+    k: list[mx.array] = field(init=False)
+    v: list[mx.array] = field(init=False)
+    conv: list[mx.array] = field(init=False)
+    ssm: list[mx.array] = field(init=False)
+    mtp_k: mx.array | None = field(init=False)
+    mtp_v: mx.array | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        if self.n_slots < 1 or self.max_context < 1:
+            raise ValueError(
+                f"pool needs n_slots >= 1 and max_context >= 1, got {self.n_slots}, "
+                f"{self.max_context}"
+            )
+        kv_shape = (self.n_slots, self.max_context, cfg.n_head_kv, cfg.head_dim)
+        self.k = [mx.zeros(kv_shape, self.kv_dtype) for _ in range(cfg.n_attention_layers)]
+        self.v = [mx.zeros(kv_shape, self.kv_dtype) for _ in range(cfg.n_attention_layers)]
+        conv_shape = (self.n_slots, cfg.conv_kernel - 1, cfg.conv_channels)
+        ssm_shape = (self.n_slots, cfg.ssm_hv, cfg.ssm_dv, cfg.ssm_dk)
+        self.conv = [mx.zeros(conv_shape, mx.float32) for _ in range(cfg.n_linear_layers)]
+        self.ssm = [mx.zeros(ssm_shape, mx.float32) for _ in range(cfg.n_linear_layers)]
+        has_mtp = cfg.n_mtp > 0
+        self.mtp_k = mx.zeros(kv_shape, self.kv_dtype) if has_mtp else None
+        self.mtp_v = mx.zeros(kv_shape, self.kv_dtype) if has_mtp else None
+        mx.eval(
+            self.k,
+            self.v,
+            self.conv,
+            self.ssm,
+            *[a for a in (self.mtp_k, self.mtp_v) if a is not None],
+        )
+        self.lengths = [0] * self.n_slots
+        self.mtp_lengths = [0] * self.n_slots
+        self._free = list(range(self.n_slots - 1, -1, -1))
+        self._captures: dict[SlotId, SlotCapture] = {}
+
+    # -- allocation ------------------------------------------------------------------------
+    def allocate(self) -> SlotId:
+        if not self._free:
+            raise PoolExhaustedError(f"all {self.n_slots} slots are in use")
+        slot = SlotId(self._free.pop())
+        self._reset_row(slot)
+        return slot
+
+    def free(self, slot: SlotId) -> None:
+        self._check(slot)
+        self._captures.pop(slot, None)
+        self._free.append(slot)
+
+    def reset(self, slot: SlotId) -> None:
+        """Empty a slot in use, as if just allocated."""
+        self._check(slot)
+        self._reset_row(slot)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def in_use(self, slot: SlotId) -> bool:
+        return 0 <= slot < self.n_slots and slot not in self._free
+
+    def _check(self, slot: SlotId) -> None:
+        if not self.in_use(slot):
+            raise SlotStateError(f"slot {slot} is not allocated")
+
+    def _reset_row(self, slot: SlotId) -> None:
+        # KV beyond a slot's length is never read, so only the recurrent state needs zeroing.
+        for arr in self.conv + self.ssm:
+            arr[slot] = 0
+        self.lengths[slot] = 0
+        self.mtp_lengths[slot] = 0
+        self._captures.pop(slot, None)
+
+    # -- accounting -------------------------------------------------------------------------
+    @property
+    def kv_element_bytes(self) -> int:
+        return self.kv_dtype.size
+
+    def bytes_for(self, context_tokens: int, draft_depth: int = 0) -> int:
+        """Bytes one sequence of `context_tokens` holds, with capture for `draft_depth` drafts."""
+        cfg = self.config
+        kv = context_tokens * cfg.kv_bytes_per_token(
+            self.kv_element_bytes, include_mtp=cfg.n_mtp > 0
+        )
+        state = cfg.linear_state_bytes()
+        capture = 0
+        if draft_depth > 0:
+            T = draft_depth + 1
+            conv = (cfg.conv_kernel - 1 + T) * cfg.conv_channels
+            rec = (T + 1) * cfg.ssm_hv * cfg.ssm_dv * cfg.ssm_dk
+            capture = 4 * cfg.n_linear_layers * (conv + rec)
+        return kv + state + capture
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes held by the pool's preallocated arrays (capture buffers are counted per use)."""
+        arrays = self.k + self.v + self.conv + self.ssm
+        arrays += [a for a in (self.mtp_k, self.mtp_v) if a is not None]
+        return sum(a.nbytes for a in arrays)
+
+    # -- reading and writing the rows of a step ----------------------------------------------
+    def read(self, slots: list[SlotId], layout: Layout) -> list[AttentionState | LinearState]:
+        """Per trunk layer, the past state of `slots` (rows in batch order)."""
+        for slot, start, n in zip(slots, layout.starts, layout.lengths, strict=True):
+            self._check(slot)
+            if start != self.lengths[slot]:
+                raise SlotStateError(
+                    f"slot {slot}: row starts at {start} but the slot holds {self.lengths[slot]} tokens"
+                )
+            if start + n > self.max_context:
+                raise ContextOverflowError(
+                    f"slot {slot}: {start} + {n} tokens exceed the context of {self.max_context}"
+                )
+        for slot, n, cap in zip(slots, layout.lengths, layout.capture, strict=True):
+            if cap and n - 1 > self.max_draft:
+                raise PoolError(
+                    f"slot {slot}: a capture row of {n} tokens exceeds max_draft {self.max_draft} + 1"
+                )
+        idx = mx.array(slots, dtype=mx.int32)
+        past = max(layout.starts)
+        states: list[AttentionState | LinearState] = []
+        ai = li = 0
+        for recurrent in self.config.recurrent:
+            if recurrent:
+                states.append(LinearState(self.conv[li][idx], self.ssm[li][idx]))
+                li += 1
+            else:
+                states.append(AttentionState(self.k[ai][idx, :past], self.v[ai][idx, :past]))
+                ai += 1
+        return states
+
+    def write(
+        self,
+        slots: list[SlotId],
+        layout: Layout,
+        new: list[AttentionState | LinearState],
+        captures: list[LinearCapture | None],
+    ) -> None:
+        """Store a step's new state for `slots` and advance their lengths."""
+        idx = mx.array(slots, dtype=mx.int32)
+        tok_slot, tok_pos = self._token_coordinates(slots, layout)
+        ai = li = 0
+        for state in new:
+            if isinstance(state, LinearState):
+                self.conv[li][idx] = state.conv
+                self.ssm[li][idx] = state.ssm
+                li += 1
+            else:
+                self.k[ai][tok_slot, tok_pos] = layout.to_packed(state.k).astype(self.kv_dtype)
+                self.v[ai][tok_slot, tok_pos] = layout.to_packed(state.v).astype(self.kv_dtype)
+                ai += 1
+        self._store_captures(slots, layout, captures)
+        for slot, n in zip(slots, layout.lengths, strict=True):
+            self.lengths[slot] += n
+
+    def write_mtp(self, slots: list[SlotId], layout: Layout, new: AttentionState) -> None:
+        """Store the MTP block's new K/V at the layout's positions (its own lengths)."""
+        assert self.mtp_k is not None and self.mtp_v is not None
+        tok_slot, tok_pos = self._token_coordinates(slots, layout)
+        self.mtp_k[tok_slot, tok_pos] = layout.to_packed(new.k).astype(self.kv_dtype)
+        self.mtp_v[tok_slot, tok_pos] = layout.to_packed(new.v).astype(self.kv_dtype)
+        for slot, start, n in zip(slots, layout.starts, layout.lengths, strict=True):
+            self.mtp_lengths[slot] = start + n
+
+    def read_mtp(self, slots: list[SlotId], layout: Layout) -> AttentionState:
+        if self.mtp_k is None or self.mtp_v is None:
+            raise SlotStateError("this model has no MTP block")
+        for slot, start in zip(slots, layout.starts, strict=True):
+            if start > self.mtp_lengths[slot]:
+                raise SlotStateError(
+                    f"slot {slot}: MTP row starts at {start} past its "
+                    f"{self.mtp_lengths[slot]} entries"
+                )
+        idx = mx.array(slots, dtype=mx.int32)
+        past = max(layout.starts)
+        return AttentionState(self.mtp_k[idx, :past], self.mtp_v[idx, :past])
+
+    @staticmethod
+    def _token_coordinates(slots: list[SlotId], layout: Layout) -> tuple[mx.array, mx.array]:
+        tok_slot, tok_pos = [], []
+        for slot, start, n in zip(slots, layout.starts, layout.lengths, strict=True):
+            tok_slot.extend([slot] * n)
+            tok_pos.extend(range(start, start + n))
+        return mx.array(tok_slot, dtype=mx.int32), mx.array(tok_pos, dtype=mx.int32)
+
+    def _store_captures(
+        self, slots: list[SlotId], layout: Layout, captures: list[LinearCapture | None]
+    ) -> None:
+        for slot in slots:
+            self._captures.pop(slot, None)  # a capture is only good until the slot's next step
+        linear = [c for c in captures if c is not None]
+        if not linear:
+            return
+        for j, row in enumerate(linear[0].rows):
+            slot, n = slots[row], layout.lengths[row]
+            self._captures[slot] = SlotCapture(
+                start=layout.starts[row],
+                length=n,
+                windows=[c.windows[j] for c in linear],
+                states=[c.states[j, : n + 1] for c in linear],
+            )
+
+    # -- rollback, fork, snapshot -----------------------------------------------------------
+    def rollback(self, slot: SlotId, keep: int) -> None:
+        """Keep only the first `keep` positions of the slot's last capture row."""
+        self._check(slot)
+        cap = self._captures.get(slot)
+        if cap is None or self.lengths[slot] != cap.start + cap.length:
+            raise SlotStateError(f"slot {slot}: no capture row to roll back")
+        if not 0 <= keep <= cap.length:
+            raise SlotStateError(f"slot {slot}: keep={keep} outside 0..{cap.length}")
+        Kc = self.config.conv_kernel
+        for li, (window, states) in enumerate(zip(cap.windows, cap.states, strict=True)):
+            self.conv[li][slot] = window[keep : keep + Kc - 1]
+            self.ssm[li][slot] = states[keep]
+        self.lengths[slot] = cap.start + keep
+        self.mtp_lengths[slot] = min(self.mtp_lengths[slot], self.lengths[slot])
+        del self._captures[slot]
+
+    def truncate_mtp(self, slot: SlotId, length: int) -> None:
+        self._check(slot)
+        self.mtp_lengths[slot] = min(self.mtp_lengths[slot], length)
+
+    def fork(self, src: SlotId, dst: SlotId) -> None:
+        """Make `dst` an exact copy of `src` (both allocated)."""
+        self._check(src)
+        self._check(dst)
+        n = self.lengths[src]
+        for arrs in (self.k, self.v):
+            for a in arrs:
+                a[dst, :n] = a[src, :n]
+        for a in self.conv + self.ssm:
+            a[dst] = a[src]
+        m = self.mtp_lengths[src]
+        if self.mtp_k is not None and self.mtp_v is not None:
+            self.mtp_k[dst, :m] = self.mtp_k[src, :m]
+            self.mtp_v[dst, :m] = self.mtp_v[src, :m]
+        self.lengths[dst], self.mtp_lengths[dst] = n, m
+        self._captures.pop(dst, None)
+
+    def snapshot(self, slot: SlotId) -> SlotSnapshot:
+        self._check(slot)
+        n, m = self.lengths[slot], self.mtp_lengths[slot]
+        mtp = None
+        if self.mtp_k is not None and self.mtp_v is not None:
+            mtp = (np.array(self.mtp_k[slot, :m]), np.array(self.mtp_v[slot, :m]))
+        return SlotSnapshot(
+            length=n,
+            mtp_length=m,
+            kv=[
+                (np.array(k[slot, :n]), np.array(v[slot, :n]))
+                for k, v in zip(self.k, self.v, strict=True)
+            ],
+            conv=[np.array(c[slot]) for c in self.conv],
+            ssm=[np.array(s[slot]) for s in self.ssm],
+            mtp_kv=mtp,
+        )
+
+    def restore(self, snap: SlotSnapshot, slot: SlotId) -> None:
+        self._check(slot)
+        if snap.length > self.max_context:
+            raise ContextOverflowError(
+                f"snapshot of {snap.length} tokens exceeds the context of {self.max_context}"
+            )
+        n = snap.length
+        for (k, v), K, V in zip(snap.kv, self.k, self.v, strict=True):
+            K[slot, :n] = mx.array(k)
+            V[slot, :n] = mx.array(v)
+        for src, dst in zip(snap.conv + snap.ssm, self.conv + self.ssm, strict=True):
+            dst[slot] = mx.array(src)
+        if snap.mtp_kv is not None and self.mtp_k is not None and self.mtp_v is not None:
+            self.mtp_k[slot, : snap.mtp_length] = mx.array(snap.mtp_kv[0])
+            self.mtp_v[slot, : snap.mtp_length] = mx.array(snap.mtp_kv[1])
+        self.lengths[slot], self.mtp_lengths[slot] = n, snap.mtp_length
+        self._captures.pop(slot, None)

@@ -1,0 +1,537 @@
+"""Qwen3.5 / Qwen3.6 / Qwen3-Next hybrid model in MLX (math: MODEL_SPEC §5-§10).
+
+The model is pure math over a batch of rows. A row is one sequence's tokens for
+this step (a decode token, a verify run, a prefill chunk); rows are ragged and
+travel *packed* — all tokens of the batch in one `[N, E]` matrix — so every
+projection and FFN is one matmul for the whole batch. Only the mixers need
+per-row structure: they view the packed tokens as padded `[B, T]` through
+`Layout`, and read and return per-row state (KV, conv, recurrent) that the
+caller owns. Nothing per-sequence is ever stored on the model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.gated_delta import gated_delta
+from engine.gguf import GGUFFile, ModelConfig, QuantizedWeight, Weight
+
+# ----------------------------------------------------------------------------------------------
+# Batch layout and per-row state crossing the model boundary
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each packed token sits in the padded `[B, T]` view of the batch.
+
+    `lengths[b]` tokens of row b start at absolute position `starts[b]` (the
+    row's cached length). Built once per step; shared by every layer.
+    """
+
+    lengths: tuple[int, ...]
+    starts: tuple[int, ...]
+    capture: tuple[bool, ...]  # rows whose linear-layer state is kept after every position
+    pad_index: mx.array  # [B, T] int32: packed index of (b, t); 0 where t >= lengths[b]
+    pack_index: mx.array  # [N] int32: b * T + t of each packed token
+    valid: mx.array  # [B, T] bool
+    positions: mx.array  # [B, T] int32 absolute positions (padding: start of row)
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def width(self) -> int:
+        return max(self.lengths)
+
+    @property
+    def uniform(self) -> bool:
+        return min(self.lengths) == max(self.lengths)
+
+    @staticmethod
+    def build(
+        lengths: list[int] | tuple[int, ...],
+        starts: list[int] | tuple[int, ...],
+        capture: list[bool] | tuple[bool, ...] | None = None,
+    ) -> Layout:
+        capture = tuple(capture) if capture is not None else (False,) * len(lengths)
+        if not lengths or min(lengths) < 1 or not len(lengths) == len(starts) == len(capture):
+            raise ValueError(f"bad batch layout: lengths={lengths} starts={starts}")
+        width = max(lengths)
+        pad, pack, valid, pos = [], [], [], []
+        offset = 0
+        for b, (n, s) in enumerate(zip(lengths, starts, strict=True)):
+            pad.append([offset + t if t < n else 0 for t in range(width)])
+            valid.append([t < n for t in range(width)])
+            pos.append([s + t if t < n else s for t in range(width)])
+            pack.extend(b * width + t for t in range(n))
+            offset += n
+        return Layout(
+            lengths=tuple(lengths),
+            starts=tuple(starts),
+            capture=capture,
+            pad_index=mx.array(pad, dtype=mx.int32),
+            pack_index=mx.array(pack, dtype=mx.int32),
+            valid=mx.array(valid),
+            positions=mx.array(pos, dtype=mx.int32),
+        )
+
+    def to_padded(self, x: mx.array) -> mx.array:
+        """Packed `[N, ...]` -> padded `[B, T, ...]`."""
+        if self.uniform:
+            return x.reshape(self.rows, self.width, *x.shape[1:])
+        return x[self.pad_index]
+
+    def to_packed(self, x: mx.array) -> mx.array:
+        """Padded `[B, T, ...]` -> packed `[N, ...]`."""
+        flat = x.reshape(self.rows * self.width, *x.shape[2:])
+        return flat if self.uniform else flat[self.pack_index]
+
+
+@dataclass
+class AttentionState:
+    """Past keys and values of one attention layer for the rows of a batch.
+
+    `k`, `v`: `[B, S, Hkv, D]`; row b's first `Layout.starts[b]` entries are valid.
+    The forward returns the new entries (`[B, T, Hkv, D]`, post-norm, post-rope).
+    """
+
+    k: mx.array
+    v: mx.array
+
+
+@dataclass
+class LinearState:
+    """Gated DeltaNet state of one layer for the rows of a batch.
+
+    `conv`: `[B, Kc-1, Cc]` last conv inputs; `ssm`: `[B, Hv, dv, dk]` f32, in the
+    file's head order.
+    """
+
+    conv: mx.array
+    ssm: mx.array
+
+
+@dataclass
+class LinearCapture:
+    """Per-position state of the capture rows of one linear layer, for rollback.
+
+    `windows[j]`: conv inputs `[Kc-1+T, Cc]` of capture row `rows[j]` (the conv state
+    after keeping p positions is `window[p : p+Kc-1]`); `states[j]`: `[T+1, Hv, dv, dk]`,
+    the recurrent state before the row and after each of its positions.
+    """
+
+    rows: tuple[int, ...]
+    windows: mx.array
+    states: mx.array
+
+
+LayerState = AttentionState | LinearState
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+
+
+def matmul(x: mx.array, w: Weight) -> mx.array:
+    """`x @ W.T` for a float or quantized `(out, in)` matrix."""
+    if isinstance(w, QuantizedWeight):
+        return mx.quantized_matmul(
+            x, w.weight, w.scales, w.biases, transpose=True, group_size=w.group_size, bits=w.bits
+        )
+    return x @ w.T
+
+
+def expert_matmul(x: mx.array, w: Weight, idx: mx.array) -> mx.array:
+    """Per-token expert matmul: x `[N, 1, 1, in]`, w `(n_exp, out, in)`, idx `[N, k]` -> `[N, k, 1, out]`."""
+    if isinstance(w, QuantizedWeight):
+        return mx.gather_qmm(
+            x,
+            w.weight,
+            w.scales,
+            w.biases,
+            rhs_indices=idx,
+            transpose=True,
+            group_size=w.group_size,
+            bits=w.bits,
+        )
+    return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=idx)
+
+
+def rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:
+    return mx.fast.rms_norm(x, w, eps)
+
+
+def l2_normalize(x: mx.array, eps: float) -> mx.array:
+    """llama.cpp's `x / max(||x||, eps)` (MODEL_SPEC §6.4)."""
+    return x / mx.maximum(mx.sqrt((x * x).sum(-1, keepdims=True)), eps)
+
+
+def rope_frequencies(cfg: ModelConfig) -> mx.array:
+    """Angular frequency of each rotary pair; 0 for pairs IM-RoPE leaves unrotated (§16.1)."""
+    half = cfg.rope_dim // 2
+    freqs = [cfg.rope_base ** (-2.0 * i / cfg.rope_dim) for i in range(half)]
+    if cfg.rope_sections:
+        s = cfg.rope_sections
+        total = sum(s)
+        for i in range(half):
+            sector = i % total
+            m = sector % 3
+            if not (
+                (m == 0
+                and sector < 3 * s[0])
+                or (m == 1
+                and sector < 3 * s[1])
+                or (m == 2
+                and sector < 3 * s[2])
+            ):
+                freqs[i] = 0.0
+    return mx.array(freqs, dtype=mx.float32)
+
+
+def apply_rope(x: mx.array, positions: mx.array, freqs: mx.array) -> mx.array:
+    """NeoX rotate-half rope on the first 2*len(freqs) dims. x `[B, T, H, D]`, positions `[B, T]`."""
+    half = freqs.shape[0]
+    theta = positions.astype(mx.float32)[..., None, None] * freqs  # [B, T, 1, half]
+    cos, sin = mx.cos(theta), mx.sin(theta)
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layers
+
+
+class Attention:
+    """Gated full attention with q/k norms and partial rope (MODEL_SPEC §7)."""
+
+    def __init__(self, f: GGUFFile, prefix: str, cfg: ModelConfig, freqs: mx.array) -> None:
+        E, H, Hkv, D = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        self.cfg, self.freqs = cfg, freqs
+        self.wq = f.load(f"{prefix}.attn_q.weight", (2 * H * D, E))
+        self.wk = f.load(f"{prefix}.attn_k.weight", (Hkv * D, E))
+        self.wv = f.load(f"{prefix}.attn_v.weight", (Hkv * D, E))
+        self.wo = f.load(f"{prefix}.attn_output.weight", (E, H * D))
+        self.q_norm = f.load(f"{prefix}.attn_q_norm.weight", (D,))
+        self.k_norm = f.load(f"{prefix}.attn_k_norm.weight", (D,))
+
+    def __call__(
+        self, x: mx.array, layout: Layout, state: AttentionState
+    ) -> tuple[mx.array, AttentionState]:
+        cfg = self.cfg
+        H, Hkv, D, eps = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps
+        qg = layout.to_padded(matmul(x, self.wq))
+        B, T, _ = qg.shape
+        qg = qg.reshape(B, T, H, 2, D)
+        q, gate = qg[..., 0, :], qg[..., 1, :]
+        k = layout.to_padded(matmul(x, self.wk)).reshape(B, T, Hkv, D)
+        v = layout.to_padded(matmul(x, self.wv)).reshape(B, T, Hkv, D)
+        q = apply_rope(rms_norm(q, self.q_norm, eps), layout.positions, self.freqs)
+        k = apply_rope(rms_norm(k, self.k_norm, eps), layout.positions, self.freqs)
+
+        S = state.k.shape[1]
+        keys = mx.concatenate([state.k, k], axis=1).transpose(0, 2, 1, 3)
+        values = mx.concatenate([state.v, v], axis=1).transpose(0, 2, 1, 3)
+        out = mx.fast.scaled_dot_product_attention(
+            q.transpose(0, 2, 1, 3),
+            keys,
+            values,
+            scale=1.0 / math.sqrt(D),
+            mask=attention_mask(layout, S),
+        )
+        out = out.transpose(0, 2, 1, 3) * mx.sigmoid(gate)
+        out = layout.to_packed(out.reshape(B, T, H * D))
+        return matmul(out, self.wo), AttentionState(k, v)
+
+
+def attention_mask(layout: Layout, past: int) -> mx.array:
+    """Boolean `[B, 1, T, S+T]`: past slots below each row's start, then causal new tokens."""
+    T = layout.width
+    starts = mx.array(layout.starts, dtype=mx.int32)[:, None, None]
+    past_ok = mx.arange(past)[None, None, :] < starts  # [B, 1, S]
+    causal = mx.arange(T)[None, :] <= mx.arange(T)[:, None]  # [T, T]
+    past_ok = mx.broadcast_to(past_ok, (layout.rows, T, past))
+    new_ok = mx.broadcast_to(causal[None], (layout.rows, T, T))
+    return mx.concatenate([past_ok, new_ok], axis=-1)[:, None]
+
+
+class GatedDeltaNet:
+    """Linear-attention mixer (MODEL_SPEC §6); qwen3next reads a fused `ssm_ba`."""
+
+    def __init__(self, f: GGUFFile, prefix: str, cfg: ModelConfig) -> None:
+        E, Hv, Kc = cfg.n_embd, cfg.ssm_hv, cfg.conv_kernel
+        Cc, Cv = cfg.conv_channels, cfg.ssm_hv * cfg.ssm_dv
+        self.cfg = cfg
+        self.w_qkv = f.load(f"{prefix}.attn_qkv.weight", (Cc, E))
+        self.w_gate = f.load(f"{prefix}.attn_gate.weight", (Cv, E))
+        if f.has(f"{prefix}.ssm_ba.weight"):
+            self.w_ba: Weight | None = f.load(f"{prefix}.ssm_ba.weight", (2 * Hv, E))
+        else:
+            self.w_ba = None
+            self.w_beta = f.load(f"{prefix}.ssm_beta.weight", (Hv, E))
+            self.w_alpha = f.load(f"{prefix}.ssm_alpha.weight", (Hv, E))
+        self.conv_w = f.load(f"{prefix}.ssm_conv1d.weight", (Cc, Kc), quantized=False)
+        dt = f"{prefix}.ssm_dt.bias" if f.has(f"{prefix}.ssm_dt.bias") else f"{prefix}.ssm_dt"
+        self.dt_bias = f.load(dt, (Hv,))
+        self.ssm_a = f.load(f"{prefix}.ssm_a", (Hv,))
+        self.norm = f.load(f"{prefix}.ssm_norm.weight", (cfg.ssm_dv,))
+        self.w_out = f.load(f"{prefix}.ssm_out.weight", (E, Cv))
+
+    def _beta_alpha(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        if self.w_ba is None:
+            return matmul(x, self.w_beta), matmul(x, self.w_alpha)
+        cfg = self.cfg
+        r = cfg.ssm_hv // cfg.ssm_hk
+        ba = matmul(x, self.w_ba).reshape(-1, cfg.ssm_hk, 2 * r)  # per key head: [b x r, a x r]
+        return ba[..., :r].reshape(-1, cfg.ssm_hv), ba[..., r:].reshape(-1, cfg.ssm_hv)
+
+    def __call__(
+        self, x: mx.array, layout: Layout, state: LinearState
+    ) -> tuple[mx.array, LinearState, LinearCapture | None]:
+        cfg = self.cfg
+        Hk, Hv, dk, dv, Kc = cfg.ssm_hk, cfg.ssm_hv, cfg.ssm_dk, cfg.ssm_dv, cfg.conv_kernel
+        Cq = Hk * dk
+        b_raw, a_raw = self._beta_alpha(x)
+        valid = layout.valid[..., None]
+        beta = mx.where(valid, mx.sigmoid(layout.to_padded(b_raw)), 0.0)
+        g = self.ssm_a * nn.softplus(layout.to_padded(a_raw) + self.dt_bias)
+        g = mx.where(valid, g, 0.0)  # padding: decay 1 and no update keep the state as is
+
+        p = layout.to_padded(matmul(x, self.w_qkv))  # [B, T, Cc]
+        B, T, _ = p.shape
+        window = mx.concatenate([state.conv.astype(p.dtype), p], axis=1)  # [B, Kc-1+T, Cc]
+        c = nn.silu(sum(window[:, i : i + T] * self.conv_w[:, i] for i in range(Kc)))
+        q = l2_normalize(c[..., :Cq].reshape(B, T, Hk, dk), cfg.rms_eps)
+        k = l2_normalize(c[..., Cq : 2 * Cq].reshape(B, T, Hk, dk), cfg.rms_eps)
+        v = c[..., 2 * Cq :].reshape(B, T, Hv, dv)
+        r = Hv // Hk
+        if cfg.v_heads_tiled:  # value head j reads key head j % Hk
+            q, k = mx.tile(q, (1, 1, r, 1)), mx.tile(k, (1, 1, r, 1))
+        else:  # grouped: value head j reads key head j // r
+            q, k = mx.repeat(q, r, axis=2), mx.repeat(k, r, axis=2)
+        q = q * (1.0 / math.sqrt(dk))
+        o, ssm, capture = recurrence(q, k, v, g, beta, state.ssm, window, layout)
+
+        y = rms_norm(o, self.norm, cfg.rms_eps)
+        y = y * nn.silu(layout.to_padded(matmul(x, self.w_gate)).reshape(B, T, Hv, dv))
+        out = matmul(layout.to_packed(y.reshape(B, T, Hv * dv)), self.w_out)
+        return out, LinearState(conv_tail(window, layout, Kc), ssm), capture
+
+
+def recurrence(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    ssm: mx.array,
+    window: mx.array,
+    layout: Layout,
+) -> tuple[mx.array, mx.array, LinearCapture | None]:
+    """Run the batch's recurrence; capture rows keep their state after every position.
+
+    Capture rows (short verify runs) take the stepwise path over their own width;
+    the others take the fast path over the full width.
+    """
+    cap_rows = tuple(b for b, c in enumerate(layout.capture) if c)
+    if not cap_rows:
+        o, final = gated_delta(q, k, v, g, beta, ssm)
+        return o, final, None
+    rest = tuple(b for b, c in enumerate(layout.capture) if not c)
+    Tc = max(layout.lengths[b] for b in cap_rows)
+    ci = mx.array(cap_rows, dtype=mx.int32)
+    o_c, states = gated_delta(
+        q[ci, :Tc], k[ci, :Tc], v[ci, :Tc], g[ci, :Tc], beta[ci, :Tc], ssm[ci], capture=True
+    )
+    if Tc < q.shape[1]:
+        o_c = mx.pad(o_c, [(0, 0), (0, q.shape[1] - Tc), (0, 0), (0, 0)])
+    states = mx.concatenate([ssm[ci][:, None], states], axis=1)
+    Kc1 = window.shape[1] - q.shape[1]
+    capture = LinearCapture(cap_rows, window[ci, : Kc1 + Tc], states)
+    if not rest:
+        return o_c, states[:, -1], capture
+    ri = mx.array(rest, dtype=mx.int32)
+    o_r, final_r = gated_delta(q[ri], k[ri], v[ri], g[ri], beta[ri], ssm[ri])
+    order = mx.argsort(mx.array(cap_rows + rest, dtype=mx.int32))
+    o = mx.concatenate([o_c, o_r], axis=0)[order]
+    final = mx.concatenate([states[:, -1], final_r], axis=0)[order]
+    return o, final, capture
+
+
+def conv_tail(window: mx.array, layout: Layout, Kc: int) -> mx.array:
+    """The last Kc-1 real inputs of each row: `window[b, n_b : n_b + Kc - 1]`."""
+    if layout.uniform:
+        return window[:, layout.width :]
+    idx = mx.array(layout.lengths, dtype=mx.int32)[:, None] + mx.arange(Kc - 1)[None, :]
+    return mx.take_along_axis(window, idx[..., None], axis=1)
+
+
+class DenseFFN:
+    def __init__(self, f: GGUFFile, prefix: str, n_embd: int, n_ff: int, suffix: str = "") -> None:
+        self.gate = f.load(f"{prefix}.ffn_gate{suffix}.weight", (n_ff, n_embd))
+        self.up = f.load(f"{prefix}.ffn_up{suffix}.weight", (n_ff, n_embd))
+        self.down = f.load(f"{prefix}.ffn_down{suffix}.weight", (n_embd, n_ff))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return matmul(nn.silu(matmul(x, self.gate)) * matmul(x, self.up), self.down)
+
+
+class MoEFFN:
+    """Softmax router, top-k renormalised experts, sigmoid-gated shared expert (MODEL_SPEC §9)."""
+
+    def __init__(self, f: GGUFFile, prefix: str, cfg: ModelConfig) -> None:
+        E, n_exp, F = cfg.n_embd, cfg.n_expert, cfg.n_ff_exp
+        self.k = cfg.n_expert_used
+        self.router = f.load(f"{prefix}.ffn_gate_inp.weight", (n_exp, E), quantized=False)
+        if f.has(f"{prefix}.ffn_gate_up_exps.weight"):
+            fused = f.load(f"{prefix}.ffn_gate_up_exps.weight", (n_exp, 2 * F, E), quantized=False)
+            assert isinstance(fused, mx.array)
+            self.gate, self.up = fused[:, :F], fused[:, F:]
+        else:
+            self.gate = f.load(f"{prefix}.ffn_gate_exps.weight", (n_exp, F, E))
+            self.up = f.load(f"{prefix}.ffn_up_exps.weight", (n_exp, F, E))
+        self.down = f.load(f"{prefix}.ffn_down_exps.weight", (n_exp, E, F))
+        self.shared = DenseFFN(f, prefix, E, cfg.n_ff_shexp, suffix="_shexp")
+        self.shared_gate = f.load(f"{prefix}.ffn_gate_inp_shexp.weight", quantized=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        assert isinstance(self.router, mx.array) and isinstance(self.shared_gate, mx.array)
+        probs = mx.softmax(x.astype(mx.float32) @ self.router.T, axis=-1)
+        idx = mx.stop_gradient(mx.argpartition(-probs, kth=self.k - 1, axis=-1)[:, : self.k])
+        w = mx.take_along_axis(probs, idx, axis=-1)
+        w = w / mx.maximum(w.sum(-1, keepdims=True), 6.103515625e-5)
+        xe = x[:, None, None, :]
+        h = nn.silu(expert_matmul(xe, self.gate, idx)) * expert_matmul(xe, self.up, idx)
+        y = expert_matmul(h, self.down, idx).squeeze(-2)  # [N, k, E]
+        y = (y * w[..., None].astype(y.dtype)).sum(axis=1)
+        gamma = mx.sigmoid(x @ self.shared_gate.reshape(-1, 1))
+        return y + gamma * self.shared(x)
+
+
+class DecoderLayer:
+    def __init__(self, f: GGUFFile, i: int, cfg: ModelConfig, freqs: mx.array, linear: bool):
+        prefix = f"blk.{i}"
+        self.eps = cfg.rms_eps
+        self.attn_norm = f.load(f"{prefix}.attn_norm.weight", (cfg.n_embd,))
+        self.post_norm = f.load(f"{prefix}.post_attention_norm.weight", (cfg.n_embd,))
+        self.mixer: GatedDeltaNet | Attention = (
+            GatedDeltaNet(f, prefix, cfg) if linear else Attention(f, prefix, cfg, freqs)
+        )
+        self.ffn: MoEFFN | DenseFFN = (
+            MoEFFN(f, prefix, cfg) if cfg.is_moe else DenseFFN(f, prefix, cfg.n_embd, cfg.n_ff)
+        )
+
+    def __call__(
+        self, x: mx.array, layout: Layout, state: LayerState
+    ) -> tuple[mx.array, LayerState, LinearCapture | None]:
+        a = rms_norm(x, self.attn_norm, self.eps)
+        capture = None
+        if isinstance(self.mixer, GatedDeltaNet):
+            assert isinstance(state, LinearState)
+            m, new, capture = self.mixer(a, layout, state)
+        else:
+            assert isinstance(state, AttentionState)
+            m, new = self.mixer(a, layout, state)
+        h = x + m
+        return h + self.ffn(rms_norm(h, self.post_norm, self.eps)), new, capture
+
+
+class MTPHead:
+    """The nextn block: `(token x_{t+1}, post-norm hidden h_t) -> (draft logits, h')` (§10, §16.2)."""
+
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, freqs: mx.array, model: Model) -> None:
+        L, E = cfg.n_layer, cfg.n_embd
+        p = f"blk.{L}.nextn"
+        self.eps, self.model = cfg.rms_eps, model
+        self.embed = (
+            f.load(f"{p}.embed_tokens.weight", (cfg.n_vocab, E))
+            if f.has(f"{p}.embed_tokens.weight")
+            else None
+        )
+        self.enorm = f.load(f"{p}.enorm.weight", (E,))
+        self.hnorm = f.load(f"{p}.hnorm.weight", (E,))
+        self.eh_proj = f.load(f"{p}.eh_proj.weight", (E, 2 * E))
+        self.norm = (
+            f.load(f"{p}.shared_head_norm.weight", (E,))
+            if f.has(f"{p}.shared_head_norm.weight")
+            else model.output_norm
+        )
+        self.head = (
+            f.load(f"{p}.shared_head_head.weight", (cfg.n_vocab, E))
+            if f.has(f"{p}.shared_head_head.weight")
+            else model.output
+        )
+        self.block = DecoderLayer(f, L, cfg, freqs, linear=False)
+
+    def __call__(
+        self, tokens: mx.array, hidden: mx.array, layout: Layout, state: AttentionState
+    ) -> tuple[mx.array, mx.array, AttentionState]:
+        """tokens `[N]`, hidden `[N, E]` packed like the trunk's rows, at the hidden's positions."""
+        e = self.model.embed_tokens(tokens, self.embed)
+        u = mx.concatenate(
+            [rms_norm(e, self.enorm, self.eps), rms_norm(hidden, self.hnorm, self.eps)], axis=-1
+        )
+        u, new, _ = self.block(matmul(u, self.eh_proj), layout, state)
+        assert isinstance(new, AttentionState)
+        h = rms_norm(u, self.norm, self.eps)
+        return matmul(h, self.head), h, new
+
+
+class Model:
+    """The hybrid trunk + optional MTP head, loaded from a GGUF file."""
+
+    def __init__(self, f: GGUFFile) -> None:
+        cfg = self.config = f.config
+        E, V = cfg.n_embd, cfg.n_vocab
+        self.path = f.path
+        freqs = rope_frequencies(cfg)
+        self.tok_embd = f.load("token_embd.weight", (V, E))
+        self.output_norm = f.load("output_norm.weight", (E,))
+        self.output = f.load("output.weight", (V, E)) if f.has("output.weight") else self.tok_embd
+        self.layers = [DecoderLayer(f, i, cfg, freqs, cfg.recurrent[i]) for i in range(cfg.n_layer)]
+        self.mtp = MTPHead(f, cfg, freqs, self) if cfg.n_mtp > 0 else None
+
+    def embed_tokens(self, tokens: mx.array, table: Weight | None = None) -> mx.array:
+        w = self.tok_embd if table is None else table
+        if isinstance(w, QuantizedWeight):
+            rows = mx.dequantize(
+                w.weight[tokens],
+                w.scales[tokens],
+                w.biases[tokens],
+                group_size=w.group_size,
+                bits=w.bits,
+            )
+            return rows.astype(mx.float32)
+        return w[tokens]
+
+    def __call__(
+        self,
+        tokens: mx.array,
+        layout: Layout,
+        states: list[LayerState],
+    ) -> tuple[mx.array, list[LayerState], list[LinearCapture | None]]:
+        """Trunk forward over packed `tokens [N]`.
+
+        Returns the post-`output_norm` hidden states `[N, E]` (what the LM head and
+        the MTP head read) and, per layer, the new state of the batch's rows and the
+        capture of its capture rows (linear layers only).
+        """
+        x = self.embed_tokens(tokens)
+        new_states: list[LayerState] = []
+        captures: list[LinearCapture | None] = []
+        for layer, state in zip(self.layers, states, strict=True):
+            x, new, capture = layer(x, layout, state)
+            new_states.append(new)
+            captures.append(capture)
+        return rms_norm(x, self.output_norm, self.config.rms_eps), new_states, captures
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        return matmul(hidden, self.output)
+
+
+def load_model(path: str | Path) -> Model:
+    return Model(GGUFFile(path))
