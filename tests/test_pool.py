@@ -1,0 +1,169 @@
+"""The slot pool: capture and exact rollback, fork/snapshot/restore, accounting, and errors
+that leave the pool unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.cache import (
+    ContextOverflowError,
+    PoolError,
+    PoolExhaustedError,
+    SlotId,
+    SlotPool,
+    SlotSnapshot,
+    SlotStateError,
+)
+from engine.models.qwen35 import Model, load_model
+from engine.runner import BatchError, ModelRunner, Row
+
+K = 4  # draft depth
+
+
+@pytest.fixture(scope="module")
+def model(make_model: Callable[..., Path]) -> Model:
+    return load_model(make_model("tiny", quant="f32"))
+
+
+def new_runner(model: Model, n_slots: int = 4, context: int = 64) -> ModelRunner:
+    return ModelRunner(model, SlotPool(model.config, n_slots, context, mx.float32, max_draft=K))
+
+
+def snapshots_equal(a: SlotSnapshot, b: SlotSnapshot, atol: float = 0.0) -> bool:
+    if (a.length, a.mtp_length) != (b.length, b.mtp_length):
+        return False
+    pairs = [(x, y) for p, q in zip(a.kv, b.kv, strict=True) for x, y in zip(p, q, strict=True)]
+    pairs += list(zip(a.conv + a.ssm, b.conv + b.ssm, strict=True))
+    return all(
+        np.allclose(x, y, rtol=0, atol=atol) if atol else np.array_equal(x, y) for x, y in pairs
+    )
+
+
+def decode(runner: ModelRunner, slot: SlotId, first: int, n: int) -> list[int]:
+    out, tok = [], first
+    for _ in range(n):
+        logits = runner.step([Row(slot, [tok], runner.pool.lengths[slot])]).rows[0].logits
+        tok = int(mx.argmax(logits[-1]).item())
+        out.append(tok)
+    return out
+
+
+@pytest.mark.parametrize("accepted", range(K + 1))
+def test_rollback_equals_feeding_only_the_accepted_tokens(model: Model, accepted: int) -> None:
+    prompt = [3, 17, 99, 250, 7, 11, 42]
+    drafts = [5, 81, 300, 12]
+    runner = new_runner(model)
+    spec, ref = runner.pool.allocate(), runner.pool.allocate()
+    # A verify row beside an ordinary prefill row in the same step, as in serving.
+    runner.step([Row(spec, prompt[:-1], 0), Row(ref, prompt[:-1], 0)])
+    runner.step([Row(spec, [prompt[-1], *drafts], len(prompt) - 1, capture=True)])
+    runner.pool.rollback(spec, keep=1 + accepted)
+    runner.step([Row(ref, [prompt[-1], *drafts[:accepted]], len(prompt) - 1)])
+
+    assert snapshots_equal(runner.pool.snapshot(spec), runner.pool.snapshot(ref), atol=1e-5)
+    nxt = 77
+    assert decode(runner, spec, nxt, 6) == decode(runner, ref, nxt, 6)
+
+
+def test_random_verify_rounds_track_a_replay_of_accepted_tokens(model: Model) -> None:
+    rng = np.random.default_rng(0)
+    runner = new_runner(model, n_slots=6, context=256)
+    pool = runner.pool
+    pairs = [(pool.allocate(), pool.allocate()) for _ in range(3)]
+    for spec, ref in pairs:
+        runner.step([Row(spec, [1, 2, 3], 0), Row(ref, [1, 2, 3], 0)])
+    for _ in range(25):
+        rows, accepts = [], []
+        for spec, _ in pairs:
+            k = int(rng.integers(0, K + 1))
+            toks = [int(t) for t in rng.integers(0, 512, k + 1)]
+            rows.append(Row(spec, toks, pool.lengths[spec], capture=True))
+            accepts.append(int(rng.integers(1, k + 2)))
+        runner.step(rows)
+        replay = []
+        for (spec, ref), row, keep in zip(pairs, rows, accepts, strict=True):
+            pool.rollback(spec, keep)
+            replay.append(Row(ref, list(row.tokens[:keep]), pool.lengths[ref]))
+        runner.step(replay)
+    for spec, ref in pairs:
+        assert snapshots_equal(pool.snapshot(spec), pool.snapshot(ref), atol=1e-5)
+
+
+def test_rollback_without_a_capture_row_is_refused(model: Model) -> None:
+    runner = new_runner(model)
+    slot = runner.pool.allocate()
+    runner.step([Row(slot, [1, 2], 0)])
+    with pytest.raises(SlotStateError):
+        runner.pool.rollback(slot, 1)
+
+
+def test_snapshot_restore_and_fork_round_trip_exactly(model: Model) -> None:
+    runner = new_runner(model)
+    pool = runner.pool
+    a = pool.allocate()
+    runner.step([Row(a, [4, 8, 15, 16, 23, 42], 0)])
+    snap = pool.snapshot(a)
+    b, c = pool.allocate(), pool.allocate()
+    pool.restore(snap, b)
+    pool.fork(a, c)
+    assert snapshots_equal(pool.snapshot(b), snap)
+    assert snapshots_equal(pool.snapshot(c), snap)
+    assert decode(runner, a, 9, 5) == decode(runner, b, 9, 5) == decode(runner, c, 9, 5)
+
+
+def test_pool_bytes_match_the_accounting(model: Model) -> None:
+    pool = SlotPool(model.config, 3, 40, mx.float16, max_draft=K)
+    assert pool.total_bytes == 3 * pool.bytes_for(40, 0)
+    runner = ModelRunner(model, pool)
+    slot = pool.allocate()
+    runner.step([Row(slot, [1, 2, 3, 4, 5], 0, capture=True)])
+    cap = pool._captures[slot]
+    held = sum(a.nbytes for a in cap.windows + cap.states)
+    assert held == pool.bytes_for(40, K) - pool.bytes_for(40, 0)
+
+
+def test_exhausted_pool_raises_and_changes_nothing(model: Model) -> None:
+    runner = new_runner(model, n_slots=2)
+    pool = runner.pool
+    a, b = pool.allocate(), pool.allocate()
+    runner.step([Row(a, [1, 2, 3], 0), Row(b, [4], 0)])
+    before = [pool.snapshot(s) for s in (a, b)]
+    with pytest.raises(PoolExhaustedError):
+        pool.allocate()
+    assert pool.free_slots == 0
+    assert all(snapshots_equal(pool.snapshot(s), x) for s, x in zip((a, b), before, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("row", "error"),
+    [
+        (lambda s: Row(s, list(range(1, 40)), 3), ContextOverflowError),  # past max_context
+        (lambda s: Row(s, [1], 0), SlotStateError),  # wrong start
+        (lambda s: Row(s, [1] * (K + 2), 3, capture=True), PoolError),  # deeper than max_draft
+        (lambda s: Row(s, [10**6], 3), BatchError),  # token outside the vocabulary
+        (lambda s: Row(s, [], 3), BatchError),  # empty row
+    ],
+)
+def test_bad_rows_raise_and_change_nothing(
+    model: Model, row: Callable[[SlotId], Row], error: type[Exception]
+) -> None:
+    runner = new_runner(model, context=32)
+    pool = runner.pool
+    a, b = pool.allocate(), pool.allocate()
+    runner.step([Row(a, [1, 2, 3], 0), Row(b, [5, 6, 7], 0)])
+    before = [pool.snapshot(s) for s in (a, b)]
+    with pytest.raises(error):
+        runner.step([Row(b, [9], 3), row(a)])
+    assert all(snapshots_equal(pool.snapshot(s), x) for s, x in zip((a, b), before, strict=True))
+
+
+def test_a_slot_twice_in_one_batch_is_refused(model: Model) -> None:
+    runner = new_runner(model)
+    a = runner.pool.allocate()
+    with pytest.raises(BatchError):
+        runner.step([Row(a, [1], 0), Row(a, [2], 1)])
