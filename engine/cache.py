@@ -257,7 +257,8 @@ class SlotPool:
 
     @staticmethod
     def _token_coordinates(slots: list[SlotId], layout: Layout) -> tuple[mx.array, mx.array]:
-        tok_slot, tok_pos = [], []
+        tok_slot: list[int] = []
+        tok_pos: list[int] = []
         for slot, start, n in zip(slots, layout.starts, layout.lengths, strict=True):
             tok_slot.extend([slot] * n)
             tok_pos.extend(range(start, start + n))

@@ -41,7 +41,7 @@ def greedy_tokens(model: Model, prompt: Sequence[int], n: int) -> list[int]:
     logits = runner.step([Row(slot, list(prompt), 0)]).rows[0].logits
     out: list[int] = []
     for _ in range(n):
-        tok = int(mx.argmax(logits[-1]).item())
+        tok = int(np.argmax(np.array(logits[-1])))
         out.append(tok)
         logits = runner.step([Row(slot, [tok], runner.pool.lengths[slot])]).rows[0].logits
     return out

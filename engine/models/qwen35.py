@@ -63,7 +63,10 @@ class Layout:
         if not lengths or min(lengths) < 1 or not len(lengths) == len(starts) == len(capture):
             raise ValueError(f"bad batch layout: lengths={lengths} starts={starts}")
         width = max(lengths)
-        pad, pack, valid, pos = [], [], [], []
+        pad: list[list[int]] = []
+        valid: list[list[bool]] = []
+        pos: list[list[int]] = []
+        pack: list[int] = []
         offset = 0
         for b, (n, s) in enumerate(zip(lengths, starts, strict=True)):
             pad.append([offset + t if t < n else 0 for t in range(width)])
@@ -137,6 +140,28 @@ LayerState = AttentionState | LinearState
 # Building blocks
 
 
+class Loader:
+    """Loads a file's tensors for compute: matrices in the model's dtype (quantized ones
+    stay quantized), vectors in that dtype or, with `exact`, in float32 (decay
+    parameters, conv taps, router: small tensors where rounding shows)."""
+
+    def __init__(self, f: GGUFFile, dtype: mx.Dtype) -> None:
+        self.file, self.dtype = f, dtype
+
+    def has(self, name: str) -> bool:
+        return self.file.has(name)
+
+    def matrix(self, name: str, shape: tuple[int, ...]) -> Weight:
+        return self.file.load(name, shape, dtype=self.dtype)
+
+    def dense(
+        self, name: str, shape: tuple[int, ...] | None = None, exact: bool = False
+    ) -> mx.array:
+        w = self.file.load(name, shape, dtype=mx.float32 if exact else self.dtype, quantized=False)
+        assert isinstance(w, mx.array)
+        return w
+
+
 def matmul(x: mx.array, w: Weight) -> mx.array:
     """`x @ W.T` for a float or quantized `(out, in)` matrix."""
     if isinstance(w, QuantizedWeight):
@@ -182,12 +207,9 @@ def rope_frequencies(cfg: ModelConfig) -> mx.array:
             sector = i % total
             m = sector % 3
             if not (
-                (m == 0
-                and sector < 3 * s[0])
-                or (m == 1
-                and sector < 3 * s[1])
-                or (m == 2
-                and sector < 3 * s[2])
+                (m == 0 and sector < 3 * s[0])
+                or (m == 1 and sector < 3 * s[1])
+                or (m == 2 and sector < 3 * s[2])
             ):
                 freqs[i] = 0.0
     return mx.array(freqs, dtype=mx.float32)
@@ -197,7 +219,7 @@ def apply_rope(x: mx.array, positions: mx.array, freqs: mx.array) -> mx.array:
     """NeoX rotate-half rope on the first 2*len(freqs) dims. x `[B, T, H, D]`, positions `[B, T]`."""
     half = freqs.shape[0]
     theta = positions.astype(mx.float32)[..., None, None] * freqs  # [B, T, 1, half]
-    cos, sin = mx.cos(theta), mx.sin(theta)
+    cos, sin = mx.cos(theta).astype(x.dtype), mx.sin(theta).astype(x.dtype)
     x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
 
@@ -209,15 +231,15 @@ def apply_rope(x: mx.array, positions: mx.array, freqs: mx.array) -> mx.array:
 class Attention:
     """Gated full attention with q/k norms and partial rope (MODEL_SPEC §7)."""
 
-    def __init__(self, f: GGUFFile, prefix: str, cfg: ModelConfig, freqs: mx.array) -> None:
+    def __init__(self, ld: Loader, prefix: str, cfg: ModelConfig, freqs: mx.array) -> None:
         E, H, Hkv, D = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim
         self.cfg, self.freqs = cfg, freqs
-        self.wq = f.load(f"{prefix}.attn_q.weight", (2 * H * D, E))
-        self.wk = f.load(f"{prefix}.attn_k.weight", (Hkv * D, E))
-        self.wv = f.load(f"{prefix}.attn_v.weight", (Hkv * D, E))
-        self.wo = f.load(f"{prefix}.attn_output.weight", (E, H * D))
-        self.q_norm = f.load(f"{prefix}.attn_q_norm.weight", (D,))
-        self.k_norm = f.load(f"{prefix}.attn_k_norm.weight", (D,))
+        self.wq = ld.matrix(f"{prefix}.attn_q.weight", (2 * H * D, E))
+        self.wk = ld.matrix(f"{prefix}.attn_k.weight", (Hkv * D, E))
+        self.wv = ld.matrix(f"{prefix}.attn_v.weight", (Hkv * D, E))
+        self.wo = ld.matrix(f"{prefix}.attn_output.weight", (E, H * D))
+        self.q_norm = ld.dense(f"{prefix}.attn_q_norm.weight", (D,))
+        self.k_norm = ld.dense(f"{prefix}.attn_k_norm.weight", (D,))
 
     def __call__(
         self, x: mx.array, layout: Layout, state: AttentionState
@@ -233,9 +255,11 @@ class Attention:
         q = apply_rope(rms_norm(q, self.q_norm, eps), layout.positions, self.freqs)
         k = apply_rope(rms_norm(k, self.k_norm, eps), layout.positions, self.freqs)
 
+        # Attend to exactly what the pool will store, so chunking never changes the result.
+        k, v = k.astype(state.k.dtype), v.astype(state.v.dtype)
         S = state.k.shape[1]
-        keys = mx.concatenate([state.k, k], axis=1).transpose(0, 2, 1, 3)
-        values = mx.concatenate([state.v, v], axis=1).transpose(0, 2, 1, 3)
+        keys = mx.concatenate([state.k, k], axis=1).transpose(0, 2, 1, 3).astype(q.dtype)
+        values = mx.concatenate([state.v, v], axis=1).transpose(0, 2, 1, 3).astype(q.dtype)
         out = mx.fast.scaled_dot_product_attention(
             q.transpose(0, 2, 1, 3),
             keys,
@@ -262,24 +286,24 @@ def attention_mask(layout: Layout, past: int) -> mx.array:
 class GatedDeltaNet:
     """Linear-attention mixer (MODEL_SPEC §6); qwen3next reads a fused `ssm_ba`."""
 
-    def __init__(self, f: GGUFFile, prefix: str, cfg: ModelConfig) -> None:
+    def __init__(self, ld: Loader, prefix: str, cfg: ModelConfig) -> None:
         E, Hv, Kc = cfg.n_embd, cfg.ssm_hv, cfg.conv_kernel
         Cc, Cv = cfg.conv_channels, cfg.ssm_hv * cfg.ssm_dv
         self.cfg = cfg
-        self.w_qkv = f.load(f"{prefix}.attn_qkv.weight", (Cc, E))
-        self.w_gate = f.load(f"{prefix}.attn_gate.weight", (Cv, E))
-        if f.has(f"{prefix}.ssm_ba.weight"):
-            self.w_ba: Weight | None = f.load(f"{prefix}.ssm_ba.weight", (2 * Hv, E))
+        self.w_qkv = ld.matrix(f"{prefix}.attn_qkv.weight", (Cc, E))
+        self.w_gate = ld.matrix(f"{prefix}.attn_gate.weight", (Cv, E))
+        if ld.has(f"{prefix}.ssm_ba.weight"):
+            self.w_ba: Weight | None = ld.matrix(f"{prefix}.ssm_ba.weight", (2 * Hv, E))
         else:
             self.w_ba = None
-            self.w_beta = f.load(f"{prefix}.ssm_beta.weight", (Hv, E))
-            self.w_alpha = f.load(f"{prefix}.ssm_alpha.weight", (Hv, E))
-        self.conv_w = f.load(f"{prefix}.ssm_conv1d.weight", (Cc, Kc), quantized=False)
-        dt = f"{prefix}.ssm_dt.bias" if f.has(f"{prefix}.ssm_dt.bias") else f"{prefix}.ssm_dt"
-        self.dt_bias = f.load(dt, (Hv,))
-        self.ssm_a = f.load(f"{prefix}.ssm_a", (Hv,))
-        self.norm = f.load(f"{prefix}.ssm_norm.weight", (cfg.ssm_dv,))
-        self.w_out = f.load(f"{prefix}.ssm_out.weight", (E, Cv))
+            self.w_beta = ld.matrix(f"{prefix}.ssm_beta.weight", (Hv, E))
+            self.w_alpha = ld.matrix(f"{prefix}.ssm_alpha.weight", (Hv, E))
+        self.conv_w = ld.dense(f"{prefix}.ssm_conv1d.weight", (Cc, Kc), exact=True)
+        dt = f"{prefix}.ssm_dt.bias" if ld.has(f"{prefix}.ssm_dt.bias") else f"{prefix}.ssm_dt"
+        self.dt_bias = ld.dense(dt, (Hv,), exact=True)
+        self.ssm_a = ld.dense(f"{prefix}.ssm_a", (Hv,), exact=True)
+        self.norm = ld.dense(f"{prefix}.ssm_norm.weight", (cfg.ssm_dv,), exact=True)
+        self.w_out = ld.matrix(f"{prefix}.ssm_out.weight", (E, Cv))
 
     def _beta_alpha(self, x: mx.array) -> tuple[mx.array, mx.array]:
         if self.w_ba is None:
@@ -297,13 +321,13 @@ class GatedDeltaNet:
         Cq = Hk * dk
         b_raw, a_raw = self._beta_alpha(x)
         valid = layout.valid[..., None]
-        beta = mx.where(valid, mx.sigmoid(layout.to_padded(b_raw)), 0.0)
-        g = self.ssm_a * nn.softplus(layout.to_padded(a_raw) + self.dt_bias)
+        beta = mx.where(valid, mx.sigmoid(layout.to_padded(b_raw).astype(mx.float32)), 0.0)
+        g = self.ssm_a * nn.softplus(layout.to_padded(a_raw).astype(mx.float32) + self.dt_bias)
         g = mx.where(valid, g, 0.0)  # padding: decay 1 and no update keep the state as is
 
         p = layout.to_padded(matmul(x, self.w_qkv))  # [B, T, Cc]
         B, T, _ = p.shape
-        window = mx.concatenate([state.conv.astype(p.dtype), p], axis=1)  # [B, Kc-1+T, Cc]
+        window = mx.concatenate([state.conv, p.astype(mx.float32)], axis=1)  # [B, Kc-1+T, Cc]
         c = nn.silu(sum(window[:, i : i + T] * self.conv_w[:, i] for i in range(Kc)))
         q = l2_normalize(c[..., :Cq].reshape(B, T, Hk, dk), cfg.rms_eps)
         k = l2_normalize(c[..., Cq : 2 * Cq].reshape(B, T, Hk, dk), cfg.rms_eps)
@@ -316,8 +340,8 @@ class GatedDeltaNet:
         q = q * (1.0 / math.sqrt(dk))
         o, ssm, capture = recurrence(q, k, v, g, beta, state.ssm, window, layout)
 
-        y = rms_norm(o, self.norm, cfg.rms_eps)
-        y = y * nn.silu(layout.to_padded(matmul(x, self.w_gate)).reshape(B, T, Hv, dv))
+        z = layout.to_padded(matmul(x, self.w_gate)).reshape(B, T, Hv, dv)
+        y = (rms_norm(o, self.norm, cfg.rms_eps) * nn.silu(z.astype(mx.float32))).astype(x.dtype)
         out = matmul(layout.to_packed(y.reshape(B, T, Hv * dv)), self.w_out)
         return out, LinearState(conv_tail(window, layout, Kc), ssm), capture
 
@@ -371,10 +395,10 @@ def conv_tail(window: mx.array, layout: Layout, Kc: int) -> mx.array:
 
 
 class DenseFFN:
-    def __init__(self, f: GGUFFile, prefix: str, n_embd: int, n_ff: int, suffix: str = "") -> None:
-        self.gate = f.load(f"{prefix}.ffn_gate{suffix}.weight", (n_ff, n_embd))
-        self.up = f.load(f"{prefix}.ffn_up{suffix}.weight", (n_ff, n_embd))
-        self.down = f.load(f"{prefix}.ffn_down{suffix}.weight", (n_embd, n_ff))
+    def __init__(self, ld: Loader, prefix: str, n_embd: int, n_ff: int, suffix: str = "") -> None:
+        self.gate = ld.matrix(f"{prefix}.ffn_gate{suffix}.weight", (n_ff, n_embd))
+        self.up = ld.matrix(f"{prefix}.ffn_up{suffix}.weight", (n_ff, n_embd))
+        self.down = ld.matrix(f"{prefix}.ffn_down{suffix}.weight", (n_embd, n_ff))
 
     def __call__(self, x: mx.array) -> mx.array:
         return matmul(nn.silu(matmul(x, self.gate)) * matmul(x, self.up), self.down)
@@ -383,20 +407,20 @@ class DenseFFN:
 class MoEFFN:
     """Softmax router, top-k renormalised experts, sigmoid-gated shared expert (MODEL_SPEC §9)."""
 
-    def __init__(self, f: GGUFFile, prefix: str, cfg: ModelConfig) -> None:
+    def __init__(self, ld: Loader, prefix: str, cfg: ModelConfig) -> None:
         E, n_exp, F = cfg.n_embd, cfg.n_expert, cfg.n_ff_exp
         self.k = cfg.n_expert_used
-        self.router = f.load(f"{prefix}.ffn_gate_inp.weight", (n_exp, E), quantized=False)
-        if f.has(f"{prefix}.ffn_gate_up_exps.weight"):
-            fused = f.load(f"{prefix}.ffn_gate_up_exps.weight", (n_exp, 2 * F, E), quantized=False)
-            assert isinstance(fused, mx.array)
-            self.gate, self.up = fused[:, :F], fused[:, F:]
+        self.router = ld.dense(f"{prefix}.ffn_gate_inp.weight", (n_exp, E), exact=True)
+        if ld.has(f"{prefix}.ffn_gate_up_exps.weight"):
+            fused = ld.dense(f"{prefix}.ffn_gate_up_exps.weight", (n_exp, 2 * F, E))
+            self.gate: Weight = fused[:, :F]
+            self.up: Weight = fused[:, F:]
         else:
-            self.gate = f.load(f"{prefix}.ffn_gate_exps.weight", (n_exp, F, E))
-            self.up = f.load(f"{prefix}.ffn_up_exps.weight", (n_exp, F, E))
-        self.down = f.load(f"{prefix}.ffn_down_exps.weight", (n_exp, E, F))
-        self.shared = DenseFFN(f, prefix, E, cfg.n_ff_shexp, suffix="_shexp")
-        self.shared_gate = f.load(f"{prefix}.ffn_gate_inp_shexp.weight", quantized=False)
+            self.gate = ld.matrix(f"{prefix}.ffn_gate_exps.weight", (n_exp, F, E))
+            self.up = ld.matrix(f"{prefix}.ffn_up_exps.weight", (n_exp, F, E))
+        self.down = ld.matrix(f"{prefix}.ffn_down_exps.weight", (n_exp, E, F))
+        self.shared = DenseFFN(ld, prefix, E, cfg.n_ff_shexp, suffix="_shexp")
+        self.shared_gate = ld.dense(f"{prefix}.ffn_gate_inp_shexp.weight", exact=True)
 
     def __call__(self, x: mx.array) -> mx.array:
         assert isinstance(self.router, mx.array) and isinstance(self.shared_gate, mx.array)
@@ -413,16 +437,16 @@ class MoEFFN:
 
 
 class DecoderLayer:
-    def __init__(self, f: GGUFFile, i: int, cfg: ModelConfig, freqs: mx.array, linear: bool):
+    def __init__(self, ld: Loader, i: int, cfg: ModelConfig, freqs: mx.array, linear: bool):
         prefix = f"blk.{i}"
         self.eps = cfg.rms_eps
-        self.attn_norm = f.load(f"{prefix}.attn_norm.weight", (cfg.n_embd,))
-        self.post_norm = f.load(f"{prefix}.post_attention_norm.weight", (cfg.n_embd,))
+        self.attn_norm = ld.dense(f"{prefix}.attn_norm.weight", (cfg.n_embd,))
+        self.post_norm = ld.dense(f"{prefix}.post_attention_norm.weight", (cfg.n_embd,))
         self.mixer: GatedDeltaNet | Attention = (
-            GatedDeltaNet(f, prefix, cfg) if linear else Attention(f, prefix, cfg, freqs)
+            GatedDeltaNet(ld, prefix, cfg) if linear else Attention(ld, prefix, cfg, freqs)
         )
         self.ffn: MoEFFN | DenseFFN = (
-            MoEFFN(f, prefix, cfg) if cfg.is_moe else DenseFFN(f, prefix, cfg.n_embd, cfg.n_ff)
+            MoEFFN(ld, prefix, cfg) if cfg.is_moe else DenseFFN(ld, prefix, cfg.n_embd, cfg.n_ff)
         )
 
     def __call__(
@@ -430,6 +454,7 @@ class DecoderLayer:
     ) -> tuple[mx.array, LayerState, LinearCapture | None]:
         a = rms_norm(x, self.attn_norm, self.eps)
         capture = None
+        new: LayerState
         if isinstance(self.mixer, GatedDeltaNet):
             assert isinstance(state, LinearState)
             m, new, capture = self.mixer(a, layout, state)
@@ -443,29 +468,29 @@ class DecoderLayer:
 class MTPHead:
     """The nextn block: `(token x_{t+1}, post-norm hidden h_t) -> (draft logits, h')` (§10, §16.2)."""
 
-    def __init__(self, f: GGUFFile, cfg: ModelConfig, freqs: mx.array, model: Model) -> None:
+    def __init__(self, ld: Loader, cfg: ModelConfig, freqs: mx.array, model: Model) -> None:
         L, E = cfg.n_layer, cfg.n_embd
         p = f"blk.{L}.nextn"
         self.eps, self.model = cfg.rms_eps, model
         self.embed = (
-            f.load(f"{p}.embed_tokens.weight", (cfg.n_vocab, E))
-            if f.has(f"{p}.embed_tokens.weight")
+            ld.matrix(f"{p}.embed_tokens.weight", (cfg.n_vocab, E))
+            if ld.has(f"{p}.embed_tokens.weight")
             else None
         )
-        self.enorm = f.load(f"{p}.enorm.weight", (E,))
-        self.hnorm = f.load(f"{p}.hnorm.weight", (E,))
-        self.eh_proj = f.load(f"{p}.eh_proj.weight", (E, 2 * E))
+        self.enorm = ld.dense(f"{p}.enorm.weight", (E,))
+        self.hnorm = ld.dense(f"{p}.hnorm.weight", (E,))
+        self.eh_proj = ld.matrix(f"{p}.eh_proj.weight", (E, 2 * E))
         self.norm = (
-            f.load(f"{p}.shared_head_norm.weight", (E,))
-            if f.has(f"{p}.shared_head_norm.weight")
+            ld.dense(f"{p}.shared_head_norm.weight", (E,))
+            if ld.has(f"{p}.shared_head_norm.weight")
             else model.output_norm
         )
         self.head = (
-            f.load(f"{p}.shared_head_head.weight", (cfg.n_vocab, E))
-            if f.has(f"{p}.shared_head_head.weight")
+            ld.matrix(f"{p}.shared_head_head.weight", (cfg.n_vocab, E))
+            if ld.has(f"{p}.shared_head_head.weight")
             else model.output
         )
-        self.block = DecoderLayer(f, L, cfg, freqs, linear=False)
+        self.block = DecoderLayer(ld, L, cfg, freqs, linear=False)
 
     def __call__(
         self, tokens: mx.array, hidden: mx.array, layout: Layout, state: AttentionState
@@ -484,16 +509,22 @@ class MTPHead:
 class Model:
     """The hybrid trunk + optional MTP head, loaded from a GGUF file."""
 
-    def __init__(self, f: GGUFFile) -> None:
+    def __init__(self, f: GGUFFile, dtype: mx.Dtype = mx.float32) -> None:
         cfg = self.config = f.config
+        ld = Loader(f, dtype)
+        self.dtype = dtype
         E, V = cfg.n_embd, cfg.n_vocab
         self.path = f.path
         freqs = rope_frequencies(cfg)
-        self.tok_embd = f.load("token_embd.weight", (V, E))
-        self.output_norm = f.load("output_norm.weight", (E,))
-        self.output = f.load("output.weight", (V, E)) if f.has("output.weight") else self.tok_embd
-        self.layers = [DecoderLayer(f, i, cfg, freqs, cfg.recurrent[i]) for i in range(cfg.n_layer)]
-        self.mtp = MTPHead(f, cfg, freqs, self) if cfg.n_mtp > 0 else None
+        self.tok_embd = ld.matrix("token_embd.weight", (V, E))
+        self.output_norm = ld.dense("output_norm.weight", (E,))
+        self.output = (
+            ld.matrix("output.weight", (V, E)) if ld.has("output.weight") else self.tok_embd
+        )
+        self.layers = [
+            DecoderLayer(ld, i, cfg, freqs, cfg.recurrent[i]) for i in range(cfg.n_layer)
+        ]
+        self.mtp = MTPHead(ld, cfg, freqs, self) if cfg.n_mtp > 0 else None
 
     def embed_tokens(self, tokens: mx.array, table: Weight | None = None) -> mx.array:
         w = self.tok_embd if table is None else table
@@ -505,7 +536,7 @@ class Model:
                 group_size=w.group_size,
                 bits=w.bits,
             )
-            return rows.astype(mx.float32)
+            return rows.astype(self.dtype)
         return w[tokens]
 
     def __call__(
@@ -533,5 +564,5 @@ class Model:
         return matmul(hidden, self.output)
 
 
-def load_model(path: str | Path) -> Model:
-    return Model(GGUFFile(path))
+def load_model(path: str | Path, dtype: mx.Dtype = mx.float32) -> Model:
+    return Model(GGUFFile(path), dtype)
