@@ -332,13 +332,8 @@ class GatedDeltaNet:
         q = l2_normalize(c[..., :Cq].reshape(B, T, Hk, dk), cfg.rms_eps)
         k = l2_normalize(c[..., Cq : 2 * Cq].reshape(B, T, Hk, dk), cfg.rms_eps)
         v = c[..., 2 * Cq :].reshape(B, T, Hv, dv)
-        r = Hv // Hk
-        if cfg.v_heads_tiled:  # value head j reads key head j % Hk
-            q, k = mx.tile(q, (1, 1, r, 1)), mx.tile(k, (1, 1, r, 1))
-        else:  # grouped: value head j reads key head j // r
-            q, k = mx.repeat(q, r, axis=2), mx.repeat(k, r, axis=2)
         q = q * (1.0 / math.sqrt(dk))
-        o, ssm, capture = recurrence(q, k, v, g, beta, state.ssm, window, layout)
+        o, ssm, capture = recurrence(q, k, v, g, beta, state.ssm, window, layout, cfg.v_heads_tiled)
 
         z = layout.to_padded(matmul(x, self.w_gate)).reshape(B, T, Hv, dv)
         y = (rms_norm(o, self.norm, cfg.rms_eps) * nn.silu(z.astype(mx.float32))).astype(x.dtype)
@@ -355,6 +350,7 @@ def recurrence(
     ssm: mx.array,
     window: mx.array,
     layout: Layout,
+    tiled: bool,
 ) -> tuple[mx.array, mx.array, LinearCapture | None]:
     """Run the batch's recurrence; capture rows keep their state after every position.
 
@@ -363,13 +359,13 @@ def recurrence(
     """
     cap_rows = tuple(b for b, c in enumerate(layout.capture) if c)
     if not cap_rows:
-        o, final = gated_delta(q, k, v, g, beta, ssm)
+        o, final = gated_delta(q, k, v, g, beta, ssm, tiled)
         return o, final, None
     rest = tuple(b for b, c in enumerate(layout.capture) if not c)
     Tc = max(layout.lengths[b] for b in cap_rows)
     ci = mx.array(cap_rows, dtype=mx.int32)
     o_c, states = gated_delta(
-        q[ci, :Tc], k[ci, :Tc], v[ci, :Tc], g[ci, :Tc], beta[ci, :Tc], ssm[ci], capture=True
+        q[ci, :Tc], k[ci, :Tc], v[ci, :Tc], g[ci, :Tc], beta[ci, :Tc], ssm[ci], tiled, capture=True
     )
     if Tc < q.shape[1]:
         o_c = mx.pad(o_c, [(0, 0), (0, q.shape[1] - Tc), (0, 0), (0, 0)])
@@ -379,7 +375,7 @@ def recurrence(
     if not rest:
         return o_c, states[:, -1], capture
     ri = mx.array(rest, dtype=mx.int32)
-    o_r, final_r = gated_delta(q[ri], k[ri], v[ri], g[ri], beta[ri], ssm[ri])
+    o_r, final_r = gated_delta(q[ri], k[ri], v[ri], g[ri], beta[ri], ssm[ri], tiled)
     order = mx.argsort(mx.array(cap_rows + rest, dtype=mx.int32))
     o = mx.concatenate([o_c, o_r], axis=0)[order]
     final = mx.concatenate([states[:, -1], final_r], axis=0)[order]
