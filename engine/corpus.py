@@ -138,7 +138,9 @@ def build_vocab(vocab_size: int, n_vocab: int | None = None) -> Vocab:
     """
     n_merges = vocab_size - 256 - len(SPECIAL_TOKENS)
     if n_merges < 0:
-        raise ValueError(f"vocab_size {vocab_size} < {256 + len(SPECIAL_TOKENS)} (bytes + specials)")
+        raise ValueError(
+            f"vocab_size {vocab_size} < {256 + len(SPECIAL_TOKENS)} (bytes + specials)"
+        )
     total = vocab_size if n_vocab is None else n_vocab
     if total < vocab_size:
         raise ValueError(f"n_vocab {total} is smaller than vocab_size {vocab_size}")
@@ -153,7 +155,7 @@ def build_vocab(vocab_size: int, n_vocab: int | None = None) -> Vocab:
     tokens += [f"[PAD{i}]" for i in range(len(tokens), total)]
     types += [TOKEN_UNUSED] * (total - len(types))
     if len(set(tokens)) != len(tokens):
-        raise AssertionError("trained merges produced a duplicate token")
+        raise RuntimeError(f"vocab_size {vocab_size}: trained merges produced a duplicate token")
     ids = {text: first_special + i for i, (text, _) in enumerate(SPECIAL_TOKENS)}
     return Vocab(
         tokens=tuple(tokens),

@@ -13,10 +13,10 @@ from pathlib import Path
 import jinja2
 import numpy as np
 import pytest
+from conftest import llama_cpp_model
 from gguf import GGMLQuantizationType, GGUFReader, quants
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from conftest import llama_cpp_model
 from engine.corpus import CHAT_TEMPLATE, QWEN35_PRETOKENIZER_REGEX, byte_to_unicode
 from engine.writer import (
     ModelSpec,
@@ -116,7 +116,11 @@ def test_qwen35_metadata_follows_model_spec(tiny_qwen35: Path) -> None:
 
 def test_qwen35_tensors_have_spec_shapes(tiny_qwen35: Path) -> None:
     s, t = preset("tiny"), _tensors(tiny_qwen35)
-    E, Cq, Cv = s.n_embd, s.ssm_group_count * s.ssm_state_size, s.ssm_time_step_rank * s.ssm_state_size
+    E, Cq, Cv = (
+        s.n_embd,
+        s.ssm_group_count * s.ssm_state_size,
+        s.ssm_time_step_rank * s.ssm_state_size,
+    )
     expected = {
         "token_embd.weight": (s.vocab_size, E),
         "blk.0.attn_qkv.weight": (2 * Cq + Cv, E),
@@ -213,15 +217,19 @@ def test_quantized_weights_dequantize_close_to_float_weights(
 
 def test_q4_k_quantizer_round_trips_through_gguf_dequantize() -> None:
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((6, 512)).astype(np.float32) * np.float32(0.05)
-    x[1] += 3.0  # all-positive rows exercise the zero minimum
+    x = rng.standard_normal((6, 512)).astype(np.float32)
+    x[1] += 3.0  # all-positive: the zero minimum Q4_K requires
     x[2] = 0.0
+    x[3, :32] *= 1e-3  # a sub-block far below its super-block's scale
     y = quants.dequantize(quantize_q4_k(x), GGMLQuantizationType.Q4_K)
     assert y.shape == x.shape
     assert not y[2].any()
-    err = np.abs(y - x).reshape(6, -1, 32).max(axis=-1)
-    spread = np.ptp(x.reshape(6, -1, 32), axis=-1)
-    assert (err <= spread / 15 + 1e-6).all()  # within one 4-bit step of each sub-block's range
+    sub = x.reshape(6, 2, 8, 32)
+    lift = np.maximum(-sub.min(axis=-1), 0)
+    step = (sub.max(axis=-1) + lift) / 15
+    d, dmin = step.max(axis=-1, keepdims=True) / 63, lift.max(axis=-1, keepdims=True) / 63
+    bound = (step + dmin / 15 + d) / 2 * 1.01 + 1e-7
+    assert (np.abs(y - x).reshape(6, 2, 8, 32).max(axis=-1) <= bound).all()
 
 
 # --- presets and command line ---------------------------------------------------------------
@@ -252,7 +260,9 @@ def test_invalid_specs_are_rejected_with_the_reason() -> None:
 def test_cli_overrides_apply_on_top_of_the_preset() -> None:
     parser = argparse.ArgumentParser()
     add_cli_arguments(parser)
-    args = parser.parse_args(["--preset", "tiny-moe", "--layers", "2", "--no-mtp", "--quant", "q8_0"])
+    args = parser.parse_args(
+        ["--preset", "tiny-moe", "--layers", "2", "--no-mtp", "--quant", "q8_0"]
+    )
     spec = spec_from_cli(args)
     assert spec == dataclasses.replace(preset("tiny-moe"), n_layer=2, mtp=False, quant="q8_0")
     assert spec_from_cli(parser.parse_args([])) == preset("tiny")
@@ -282,7 +292,8 @@ def test_llama_cpp_runs_each_quant_type(make_model: MakeModel, quant: str) -> No
     exact = _logits(make_model("tiny", n_embd=256, n_ff=256), list(range(100, 116)))
     coded = _logits(make_model("tiny", quant=quant, n_embd=256, n_ff=256), list(range(100, 116)))
     assert np.isfinite(coded).all()
-    assert np.mean(exact.argmax(-1) == coded.argmax(-1)) >= 0.5
+    correlation = [np.corrcoef(e, c)[0, 1] for e, c in zip(exact, coded, strict=True)]
+    assert min(correlation) > 0.9  # the same model, up to quantization noise
 
 
 @pytest.mark.llama
@@ -291,7 +302,7 @@ def test_llama_cpp_tokenizer_matches_trained_bpe_and_round_trips(tiny_qwen35: Pa
     reference = Tokenizer(
         models.BPE(
             vocab={t: i for i, t in enumerate(vocab.tokens)},
-            merges=[tuple(m.split(" ")) for m in vocab.merges],
+            merges=[(a, b) for a, _, b in (m.partition(" ") for m in vocab.merges)],
         )
     )
     reference.pre_tokenizer = pre_tokenizers.Sequence(
