@@ -178,10 +178,16 @@ class SlotPool:
         arrays += [a for a in (self.mtp_k, self.mtp_v) if a is not None]
         return sum(a.nbytes for a in arrays)
 
-    # -- reading and writing the rows of a step ----------------------------------------------
-    def read(self, slots: list[SlotId], layout: Layout) -> list[AttentionState | LinearState]:
-        """Per trunk layer, the past state of `slots` (rows in batch order)."""
-        for slot, start, n in zip(slots, layout.starts, layout.lengths, strict=True):
+    # -- the rows of a step --------------------------------------------------------------------
+    # A step is checked on the host (`check_rows`), then gathers and scatters its rows with
+    # pure functions of arrays (`gather`, `scatter`, so the runner can compile them with the
+    # model), and finally commits lengths and captures on the host (`commit`).
+
+    def check_rows(
+        self, slots: list[SlotId], starts: list[int], lengths: list[int], capture: list[bool]
+    ) -> None:
+        """Raise, changing nothing, unless every row can run on its slot."""
+        for slot, start, n, cap in zip(slots, starts, lengths, capture, strict=True):
             self._check(slot)
             if start != self.lengths[slot]:
                 raise SlotStateError(
@@ -191,95 +197,134 @@ class SlotPool:
                 raise ContextOverflowError(
                     f"slot {slot}: {start} + {n} tokens exceed the context of {self.max_context}"
                 )
-        for slot, n, cap in zip(slots, layout.lengths, layout.capture, strict=True):
             if cap and n - 1 > self.max_draft:
                 raise PoolError(
                     f"slot {slot}: a capture row of {n} tokens exceeds max_draft {self.max_draft} + 1"
                 )
-        idx = mx.array(slots, dtype=mx.int32)
-        past = max(layout.starts)
-        states: list[AttentionState | LinearState] = []
+
+    def arrays(self) -> list[mx.array]:
+        """The trunk's state arrays in layer order (KV pairs for attention, conv/ssm for linear)."""
+        out: list[mx.array] = []
         ai = li = 0
         for recurrent in self.config.recurrent:
             if recurrent:
-                states.append(LinearState(self.conv[li][idx], self.ssm[li][idx]))
+                out += [self.conv[li], self.ssm[li]]
                 li += 1
             else:
-                states.append(AttentionState(self.k[ai][idx, :past], self.v[ai][idx, :past]))
+                out += [self.k[ai], self.v[ai]]
                 ai += 1
-        return states
+        return out
 
-    def write(
-        self,
-        slots: list[SlotId],
-        layout: Layout,
-        new: list[AttentionState | LinearState],
-        captures: list[LinearCapture | None],
-    ) -> None:
-        """Store a step's new state for `slots` and advance their lengths."""
-        idx = mx.array(slots, dtype=mx.int32)
-        tok_slot, tok_pos = self._token_coordinates(slots, layout)
+    def set_arrays(self, arrays: list[mx.array]) -> None:
         ai = li = 0
-        for state in new:
-            if isinstance(state, LinearState):
-                self.conv[li][idx] = state.conv
-                self.ssm[li][idx] = state.ssm
+        for i, recurrent in enumerate(self.config.recurrent):
+            a, b = arrays[2 * i], arrays[2 * i + 1]
+            if recurrent:
+                self.conv[li], self.ssm[li] = a, b
                 li += 1
             else:
-                self.k[ai][tok_slot, tok_pos] = layout.to_packed(state.k).astype(self.kv_dtype)
-                self.v[ai][tok_slot, tok_pos] = layout.to_packed(state.v).astype(self.kv_dtype)
+                self.k[ai], self.v[ai] = a, b
                 ai += 1
-        self._store_captures(slots, layout, captures)
-        for slot, n in zip(slots, layout.lengths, strict=True):
-            self.lengths[slot] += n
-
-    def write_mtp(self, slots: list[SlotId], layout: Layout, new: AttentionState) -> None:
-        """Store the MTP block's new K/V at the layout's positions (its own lengths)."""
-        assert self.mtp_k is not None and self.mtp_v is not None
-        tok_slot, tok_pos = self._token_coordinates(slots, layout)
-        self.mtp_k[tok_slot, tok_pos] = layout.to_packed(new.k).astype(self.kv_dtype)
-        self.mtp_v[tok_slot, tok_pos] = layout.to_packed(new.v).astype(self.kv_dtype)
-        for slot, start, n in zip(slots, layout.starts, layout.lengths, strict=True):
-            self.mtp_lengths[slot] = start + n
-
-    def read_mtp(self, slots: list[SlotId], layout: Layout) -> AttentionState:
-        if self.mtp_k is None or self.mtp_v is None:
-            raise SlotStateError("this model has no MTP block")
-        for slot, start in zip(slots, layout.starts, strict=True):
-            if start > self.mtp_lengths[slot]:
-                raise SlotStateError(
-                    f"slot {slot}: MTP row starts at {start} past its "
-                    f"{self.mtp_lengths[slot]} entries"
-                )
-        idx = mx.array(slots, dtype=mx.int32)
-        past = max(layout.starts)
-        return AttentionState(self.mtp_k[idx, :past], self.mtp_v[idx, :past])
 
     @staticmethod
-    def _token_coordinates(slots: list[SlotId], layout: Layout) -> tuple[mx.array, mx.array]:
+    def gather(
+        config: ModelConfig, arrays: list[mx.array], slot_idx: mx.array, past: int
+    ) -> list[AttentionState | LinearState]:
+        """Per trunk layer, the state of the rows `slot_idx` (KV: the first `past` entries)."""
+        states: list[AttentionState | LinearState] = []
+        for i, recurrent in enumerate(config.recurrent):
+            a, b = arrays[2 * i], arrays[2 * i + 1]
+            if recurrent:
+                states.append(LinearState(a[slot_idx], b[slot_idx]))
+            else:
+                states.append(AttentionState(a[slot_idx, :past], b[slot_idx, :past]))
+        return states
+
+    @staticmethod
+    def scatter(
+        config: ModelConfig,
+        arrays: list[mx.array],
+        slot_idx: mx.array,
+        tok_slot: mx.array,
+        tok_pos: mx.array,
+        layout: Layout,
+        new: list[AttentionState | LinearState],
+    ) -> list[mx.array]:
+        """The state arrays with the rows' new state written in (KV at `(tok_slot, tok_pos)`)."""
+        out = list(arrays)
+        for i, state in enumerate(new):
+            a, b = out[2 * i], out[2 * i + 1]
+            if isinstance(state, LinearState):
+                a[slot_idx] = state.conv
+                b[slot_idx] = state.ssm
+            else:
+                a[tok_slot, tok_pos] = layout.to_packed(state.k).astype(a.dtype)
+                b[tok_slot, tok_pos] = layout.to_packed(state.v).astype(b.dtype)
+        return out
+
+    def commit(
+        self,
+        slots: list[SlotId],
+        starts: list[int],
+        lengths: list[int],
+        captures: list[LinearCapture | None],
+    ) -> None:
+        """After a step's scatter: advance lengths, keep what capture rows left for rollback."""
+        for slot in slots:
+            self._captures.pop(slot, None)  # a capture is only good until the slot's next step
+        linear = [c for c in captures if c is not None]
+        if linear:
+            for j, row in enumerate(linear[0].rows):
+                slot, n = slots[row], lengths[row]
+                self._captures[slot] = SlotCapture(
+                    start=starts[row],
+                    length=n,
+                    windows=[c.windows[j, : self.config.conv_kernel - 1 + n] for c in linear],
+                    states=[c.states[j, : n + 1] for c in linear],
+                )
+        for slot, n in zip(slots, lengths, strict=True):
+            self.lengths[slot] += n
+
+    @staticmethod
+    def token_coordinates(
+        slots: list[SlotId], starts: list[int], lengths: list[int]
+    ) -> tuple[mx.array, mx.array]:
+        """Slot and position of every packed token of a batch."""
         tok_slot: list[int] = []
         tok_pos: list[int] = []
-        for slot, start, n in zip(slots, layout.starts, layout.lengths, strict=True):
+        for slot, start, n in zip(slots, starts, lengths, strict=True):
             tok_slot.extend([slot] * n)
             tok_pos.extend(range(start, start + n))
         return mx.array(tok_slot, dtype=mx.int32), mx.array(tok_pos, dtype=mx.int32)
 
-    def _store_captures(
-        self, slots: list[SlotId], layout: Layout, captures: list[LinearCapture | None]
+    def read_mtp(self, slots: list[SlotId], starts: list[int]) -> AttentionState:
+        if self.mtp_k is None or self.mtp_v is None:
+            raise SlotStateError("this model has no MTP block")
+        for slot, start in zip(slots, starts, strict=True):
+            self._check(slot)
+            if start > self.mtp_lengths[slot]:
+                raise SlotStateError(
+                    f"slot {slot}: MTP row starts at {start} past its {self.mtp_lengths[slot]} entries"
+                )
+        idx = mx.array(slots, dtype=mx.int32)
+        past = max(starts)
+        return AttentionState(self.mtp_k[idx, :past], self.mtp_v[idx, :past])
+
+    def write_mtp(
+        self,
+        slots: list[SlotId],
+        starts: list[int],
+        lengths: list[int],
+        layout: Layout,
+        new: AttentionState,
     ) -> None:
-        for slot in slots:
-            self._captures.pop(slot, None)  # a capture is only good until the slot's next step
-        linear = [c for c in captures if c is not None]
-        if not linear:
-            return
-        for j, row in enumerate(linear[0].rows):
-            slot, n = slots[row], layout.lengths[row]
-            self._captures[slot] = SlotCapture(
-                start=layout.starts[row],
-                length=n,
-                windows=[c.windows[j] for c in linear],
-                states=[c.states[j, : n + 1] for c in linear],
-            )
+        """Store the MTP block's new K/V at the rows' positions (its own lengths)."""
+        assert self.mtp_k is not None and self.mtp_v is not None
+        tok_slot, tok_pos = self.token_coordinates(slots, starts, lengths)
+        self.mtp_k[tok_slot, tok_pos] = layout.to_packed(new.k).astype(self.kv_dtype)
+        self.mtp_v[tok_slot, tok_pos] = layout.to_packed(new.v).astype(self.kv_dtype)
+        for slot, start, n in zip(slots, starts, lengths, strict=True):
+            self.mtp_lengths[slot] = start + n
 
     # -- rollback, fork, snapshot -----------------------------------------------------------
     def rollback(self, slot: SlotId, keep: int) -> None:

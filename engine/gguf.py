@@ -137,10 +137,16 @@ class ModelConfig:
 
 
 class GGUFFile:
-    """An open GGUF model file: `metadata`, `config`, and tensors loaded on demand."""
+    """An open GGUF model file: `metadata`, `config`, and tensors loaded on demand.
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    `quantized=False` makes every `load` dequantize to float, so a model built on the file
+    runs its float forward over exactly the weights the quantized one sees (the reference
+    for quantized-kernel tests).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, quantized: bool = True) -> None:
         self.path = Path(path)
+        self.quantized = quantized
         self._reader = _open_reader(self.path)
         self.metadata: dict[str, Any] = {
             name: _field_value(field)
@@ -201,12 +207,12 @@ class GGUFFile:
         """Load one tensor for compute.
 
         Q4_0 / Q4_1 / Q8_0 matrices come back as `QuantizedWeight` (exact repack) when
-        `quantized`; everything else as an `mx.array` of `dtype`.
+        `quantized` here and on the file; everything else as an `mx.array` of `dtype`.
         """
         info = self._info(name)
         logical = self.tensor_shape(name)
         _check_shape(self.path, name, logical, shape)
-        if quantized and info.tensor_type in _REPACKERS and len(logical) == 2:
+        if quantized and self.quantized and info.tensor_type in _REPACKERS and len(logical) == 2:
             return _REPACKERS[info.tensor_type](np.asarray(info.data), logical, dtype)
         return mx.array(self.load_numpy(name)).astype(dtype)
 

@@ -10,13 +10,15 @@ path as N > 1.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 
 from engine.cache import SlotId, SlotPool
-from engine.models.qwen35 import Layout, Model
+from engine.models.qwen35 import Layout, LinearCapture, Model
 
 
 class BatchError(ValueError):
@@ -66,47 +68,97 @@ class StepOutput:
 
 
 class ModelRunner:
-    """Runs batches of rows of one model over one slot pool."""
+    """Runs batches of rows of one model over one slot pool.
 
-    def __init__(self, model: Model, pool: SlotPool) -> None:
+    Each distinct batch shape (rows, longest row, tokens, outputs, capture rows,
+    bucketed past length) gets its own `mx.compile`d forward — gather from the
+    pool, the model, scatter back, LM head — so a steady decode step is one
+    compiled graph instead of a thousand separate ops. `compile=False` runs the
+    very same function eagerly.
+    """
+
+    PAST_BUCKET = 64  # past KV lengths are rounded up to a multiple of this
+
+    def __init__(self, model: Model, pool: SlotPool, compile: bool = False) -> None:
         if pool.config != model.config:
             raise ValueError("pool and model were built for different configs")
         self.model = model
         self.pool = pool
+        self.compile = compile
+        self._compiled: dict[tuple[object, ...], Callable[..., Any]] = {}
+        self.last_host_s = 0.0
 
     def step(self, batch: Sequence[Row]) -> StepOutput:
+        t0 = time.perf_counter()
         slots = self._validate([r.slot for r in batch], [r.tokens for r in batch])
         for r in batch:
             bad = [i for i in r.wanted if not 0 <= i < len(r.tokens)]
             if bad:
                 raise BatchError(f"slot {r.slot}: wanted positions {bad} outside the row")
-        layout = Layout.build(
-            [len(r.tokens) for r in batch], [r.start for r in batch], [r.capture for r in batch]
-        )
-        states = self.pool.read(slots, layout)
-        tokens = mx.array([t for r in batch for t in r.tokens], dtype=mx.int32)
-        hidden, new_states, captures = self.model(tokens, layout, states)
+        starts = [r.start for r in batch]
+        lengths = [len(r.tokens) for r in batch]
+        capture = [r.capture for r in batch]
+        self.pool.check_rows(slots, starts, lengths, capture)
 
-        offsets, at = [], 0
-        for r in batch:
-            offsets.append(at)
-            at += len(r.tokens)
-        picked = mx.array(
-            [o + i for o, r in zip(offsets, batch, strict=True) for i in r.wanted], dtype=mx.int32
+        layout = Layout.build(lengths, starts, capture)
+        past = min(self.pool.max_context, -(-max(starts) // self.PAST_BUCKET) * self.PAST_BUCKET)
+        tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, lengths)
+        offsets = [sum(lengths[:b]) for b in range(len(batch))]
+        picked = [o + i for o, r in zip(offsets, batch, strict=True) for i in r.wanted]
+        inputs = [
+            mx.array([t for r in batch for t in r.tokens], dtype=mx.int32),
+            mx.array(slots, dtype=mx.int32),
+            tok_slot,
+            tok_pos,
+            mx.array(picked, dtype=mx.int32),
+            *layout.arrays(),
+        ]
+        key = (
+            layout.rows,
+            layout.width,
+            layout.uniform,
+            layout.capture,
+            len(picked),
+            past,
+            int(tok_slot.shape[0]),
         )
-        h = hidden[picked]
-        logits = self.model.logits(h).astype(mx.float32)
-        self.pool.write(slots, layout, new_states, captures)
-        mx.eval(logits, h, self.pool.k, self.pool.v, self.pool.conv, self.pool.ssm)
+        fn = self._forward_fn(key, layout, past)
+        logits, hidden, arrays, captures = fn(inputs, self.pool.arrays())
+        self.pool.set_arrays(arrays)
+        self.last_host_s = time.perf_counter() - t0  # building inputs and the graph
+        mx.eval(logits, hidden, arrays)
+        self.pool.commit(slots, starts, lengths, _unflatten_captures(self.model, layout, captures))
 
         out, at = StepOutput(), 0
         for r in batch:
             n = len(r.wanted)
             out.rows.append(
-                RowOutput(logits[at : at + n], h[at : at + n] if r.want_hidden else None)
+                RowOutput(logits[at : at + n], hidden[at : at + n] if r.want_hidden else None)
             )
             at += n
         return out
+
+    def _forward_fn(self, key: tuple[object, ...], layout: Layout, past: int) -> Callable[..., Any]:
+        fn = self._compiled.get(key)
+        if fn is not None:
+            return fn
+        model, config = self.model, self.model.config
+
+        def forward(
+            inputs: list[mx.array], arrays: list[mx.array]
+        ) -> tuple[mx.array, mx.array, list[mx.array], list[mx.array]]:
+            tokens, slot_idx, tok_slot, tok_pos, picked, *layout_arrays = inputs
+            lay = layout.with_arrays(layout_arrays)
+            states = SlotPool.gather(config, arrays, slot_idx, past)
+            hidden, new_states, captures = model(tokens, lay, states)
+            arrays = SlotPool.scatter(config, arrays, slot_idx, tok_slot, tok_pos, lay, new_states)
+            h = hidden[picked]
+            flat = [a for c in captures if c is not None for a in (c.windows, c.states)]
+            return model.logits(h).astype(mx.float32), h, arrays, flat
+
+        fn = mx.compile(forward) if self.compile else forward
+        self._compiled[key] = fn
+        return fn
 
     def draft(self, batch: Sequence[DraftRow]) -> list[tuple[mx.array, mx.array]]:
         """One batched MTP forward. Per row: (draft logits `[n, V]`, MTP hidden h' `[n, E]`)."""
@@ -114,18 +166,24 @@ class ModelRunner:
         if mtp is None:
             raise BatchError(f"{self.model.path}: this model has no MTP head")
         slots = self._validate([r.slot for r in batch], [r.tokens for r in batch])
-        layout = Layout.build([len(r.tokens) for r in batch], [r.start for r in batch])
-        state = self.pool.read_mtp(slots, layout)
+        starts = [r.start for r in batch]
+        lengths = [len(r.tokens) for r in batch]
+        for slot, start, n in zip(slots, starts, lengths, strict=True):
+            if start + n > self.pool.max_context:
+                raise BatchError(
+                    f"slot {slot}: MTP row past the context of {self.pool.max_context}"
+                )
+        layout = Layout.build(lengths, starts)
+        state = self.pool.read_mtp(slots, starts)
         tokens = mx.array([t for r in batch for t in r.tokens], dtype=mx.int32)
         hidden = mx.concatenate([r.hidden for r in batch], axis=0)
         logits, h, new = mtp(tokens, hidden, layout, state)
-        self.pool.write_mtp(slots, layout, new)
+        self.pool.write_mtp(slots, starts, lengths, layout, new)
         logits = logits.astype(mx.float32)
         assert self.pool.mtp_k is not None and self.pool.mtp_v is not None
         mx.eval(logits, h, self.pool.mtp_k, self.pool.mtp_v)
         out, at = [], 0
-        for r in batch:
-            n = len(r.tokens)
+        for n in lengths:
             out.append((logits[at : at + n], h[at : at + n]))
             at += n
         return out
@@ -143,3 +201,17 @@ class ModelRunner:
             if bad:
                 raise BatchError(f"slot {slot}: token ids {bad[:5]} outside the vocabulary of {V}")
         return list(slots)
+
+
+def _unflatten_captures(
+    model: Model, layout: Layout, flat: list[mx.array]
+) -> list[LinearCapture | None]:
+    """Per trunk layer, the capture of the batch's capture rows (linear layers only)."""
+    rows = tuple(b for b, c in enumerate(layout.capture) if c)
+    if not rows:
+        return [None] * len(model.layers)
+    out: list[LinearCapture | None] = []
+    it = iter(flat)
+    for recurrent in model.config.recurrent:
+        out.append(LinearCapture(rows, next(it), next(it)) if recurrent else None)
+    return out

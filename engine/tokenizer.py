@@ -44,6 +44,28 @@ PRE_TOKENIZER_REGEX: dict[str, str] = {
 }
 """`tokenizer.ggml.pre` -> the regex llama.cpp uses for it (MODEL_SPEC §13)."""
 
+UNICODE_16_LETTERS_MARKS_NUMBERS = (
+    r"\x{897}\x{1C89}-\x{1C8A}\x{A7CB}-\x{A7CD}\x{A7DA}-\x{A7DC}\x{105C0}-\x{105F3}"
+    r"\x{10D40}-\x{10D65}\x{10D69}-\x{10D6D}\x{10D6F}-\x{10D85}\x{10EC2}-\x{10EC4}\x{10EFC}"
+    r"\x{11380}-\x{11389}\x{1138B}\x{1138E}\x{11390}-\x{113B5}\x{113B7}-\x{113C0}\x{113C2}"
+    r"\x{113C5}\x{113C7}-\x{113CA}\x{113CC}-\x{113D3}\x{113E1}-\x{113E2}\x{116D0}-\x{116E3}"
+    r"\x{11BC0}-\x{11BE0}\x{11BF0}-\x{11BF9}\x{11F5A}\x{13460}-\x{143FA}\x{16100}-\x{16139}"
+    r"\x{16D40}-\x{16D6C}\x{16D70}-\x{16D79}\x{18CFF}\x{1CCF0}-\x{1CCF9}\x{1E5D0}-\x{1E5FA}"
+)
+"""Code points Unicode 16.0 made letters, marks or digits. llama.cpp's category tables
+(unicode-data.cpp, as vendored by llama-cpp-python 0.3.36) stop at Unicode 15.1 and class them
+as "other"; the oniguruma inside `tokenizers` knows 16.0. Excluding them from the L, M and N
+classes makes both split text identically (checked over every code point)."""
+
+
+def _as_llama_cpp_regex(regex: str) -> str:
+    for category in ("L", "M", "N"):
+        regex = regex.replace(
+            rf"\p{{{category}}}", rf"[\p{{{category}}}&&[^{UNICODE_16_LETTERS_MARKS_NUMBERS}]]"
+        )
+    return regex
+
+
 EOG_TEXTS = frozenset(
     {
         # llama.cpp's end-of-generation markers ...
@@ -57,12 +79,10 @@ EOG_TEXTS = frozenset(
     }
 )  # fmt: skip
 _EOG_ID_KEYS = ("eos", "eot", "eom", "fim_pad", "fim_rep", "fim_sep")
-_MATCHED_IN_TEXT = {
-    True: frozenset({TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED}),
-    False: frozenset({TokenType.USER_DEFINED}),
-}
-_PRINTED_AS_TEXT = frozenset({TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED})
 _SPECIAL = frozenset({TokenType.CONTROL, TokenType.UNKNOWN})
+"""Hidden by `skip_special`; matched in text only with `parse_special`."""
+_WHOLE = _SPECIAL | {TokenType.USER_DEFINED}
+"""Matched whole in text, never split by BPE; printed as their text."""
 
 
 class TokenizerError(ValueError):
@@ -95,7 +115,14 @@ _TO_LATIN1 = str.maketrans({c: chr(b) for c, b in _BYTE_OF.items()})
 _BYTE_LEVEL = re.compile("[" + re.escape("".join(_BYTE_OF)) + "]*")
 
 
-def _normal_token_bytes(text: str) -> bytes:
+def _piece(text: str, kind: TokenType) -> bytes:
+    """What a token prints as in llama.cpp (`llama_token_to_piece` with `special=True`)."""
+    if kind in _WHOLE:
+        return text.encode()
+    if kind == TokenType.BYTE:
+        return bytes([int(text[3:5], 16)])  # "<0x0A>"
+    if kind != TokenType.NORMAL:
+        return b""  # UNUSED and undefined types print nothing
     if _BYTE_LEVEL.fullmatch(text):
         return text.translate(_TO_LATIN1).encode("latin-1")
     return text.encode()  # not byte-level text: its UTF-8, as the HF ByteLevel decoder does
@@ -119,7 +146,8 @@ class Tokenizer:
         chat_template: str | None = None,
         source: str = "<gguf>",
     ) -> None:
-        """`special_ids` maps "bos", "eos", "pad", "eot", ... to ids (metadata `*_token_id`)."""
+        """`special_ids` maps "bos", "eos", "padding", "eot", ... to ids, as the metadata keys
+        `tokenizer.ggml.*_token_id` do."""
         self.source = source
         if pre not in PRE_TOKENIZER_REGEX:
             raise UnknownPreTokenizerError(
@@ -154,18 +182,11 @@ class Tokenizer:
         self._add_bos, self._add_eos = add_bos, add_eos
         self._chat_template_text = chat_template
         self._bpe = _build_bpe(vocab, merges, PRE_TOKENIZER_REGEX[pre], source)
-        self._pieces = [
-            _normal_token_bytes(text)
-            if kind == TokenType.NORMAL
-            else text.encode()
-            if kind in _PRINTED_AS_TEXT
-            else b""
-            for text, kind in zip(self._texts, self._types, strict=True)
-        ]
+        self._pieces = [_piece(t, kind) for t, kind in zip(self._texts, self._types, strict=True)]
         self._hidden = frozenset(i for i, kind in enumerate(self._types) if kind in _SPECIAL)
         # llama.cpp cuts special tokens out longest (in bytes) first, over the whole text.
         self._in_text = sorted(
-            (i for i, kind in enumerate(self._types) if kind in _MATCHED_IN_TEXT[True]),
+            (i for i, kind in enumerate(self._types) if kind in _WHOLE),
             key=lambda i: (-len(self._pieces[i]), i),
         )
 
@@ -254,9 +275,7 @@ class Tokenizer:
             try:
                 ids += self._bpe.encode(fragment, add_special_tokens=False).ids
             except TypeError:  # the binding rejects strings that are not valid Unicode
-                raise TokenizerError(
-                    f"cannot encode text with a lone surrogate: {text!r}"
-                ) from None
+                raise TokenizerError("cannot encode text holding a lone surrogate") from None
         if self._add_eos:
             ids.append(self._special_ids["eos"])
         return ids
@@ -264,10 +283,9 @@ class Tokenizer:
     def _split_special(self, text: str, parse_special: bool) -> list[str | int]:
         """`text` cut into raw-text fragments and the ids of the special tokens inside it."""
         fragments: list[str | int] = [text] if text else []
-        kinds = _MATCHED_IN_TEXT[parse_special]
         for i in self._in_text:
             special = self._texts[i]
-            if self._types[i] not in kinds or special not in text:
+            if (not parse_special and self._types[i] in _SPECIAL) or special not in text:
                 continue
             cut: list[str | int] = []
             for fragment in fragments:
@@ -313,8 +331,9 @@ class Tokenizer:
             if name in self._special_ids:
                 context[f"{name}_token"] = self._texts[self._special_ids[name]]
         context.update(kwargs, messages=messages, add_generation_prompt=add_generation_prompt)
+        template = self._chat_template
         try:
-            return self._chat_template.render(**context)
+            return template.render(**context)
         except Exception as e:  # whatever a file's template raises on a caller's messages
             raise ChatTemplateError(f"{self.source}: tokenizer.chat_template: {e}") from e
 
@@ -375,7 +394,7 @@ def _build_bpe(
         raise TokenizerError(f"{source}: tokenizer.ggml.merges: {e}") from e
     bpe.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+            pre_tokenizers.Split(Regex(_as_llama_cpp_regex(regex)), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
@@ -387,7 +406,7 @@ def _raise_exception(message: str) -> None:
 
 
 def _tojson(
-    value: Any,
+    x: Any,
     ensure_ascii: bool = False,
     indent: int | None = None,
     separators: tuple[str, str] | None = None,
@@ -395,7 +414,7 @@ def _tojson(
 ) -> str:
     # HF's override of Jinja's filter: no HTML escaping, non-ASCII kept, key order kept.
     return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
 
 

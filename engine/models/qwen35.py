@@ -29,29 +29,22 @@ from engine.gguf import GGUFFile, ModelConfig, QuantizedWeight, Weight
 class Layout:
     """Where each packed token sits in the padded `[B, T]` view of the batch.
 
-    `lengths[b]` tokens of row b start at absolute position `starts[b]` (the
-    row's cached length). Built once per step; shared by every layer.
+    Row b has `row_lengths[b]` tokens starting at absolute position
+    `row_starts[b]` (the row's cached length). The model reads only the arrays
+    and the static shape fields, so one compiled forward serves every batch of
+    the same shape. Built once per step; shared by every layer.
     """
 
-    lengths: tuple[int, ...]
-    starts: tuple[int, ...]
+    rows: int
+    width: int  # T, the longest row
+    uniform: bool  # all rows equally long: packed and padded views are one reshape apart
     capture: tuple[bool, ...]  # rows whose linear-layer state is kept after every position
-    pad_index: mx.array  # [B, T] int32: packed index of (b, t); 0 where t >= lengths[b]
+    pad_index: mx.array  # [B, T] int32: packed index of (b, t); 0 where t >= length
     pack_index: mx.array  # [N] int32: b * T + t of each packed token
     valid: mx.array  # [B, T] bool
     positions: mx.array  # [B, T] int32 absolute positions (padding: start of row)
-
-    @property
-    def rows(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def width(self) -> int:
-        return max(self.lengths)
-
-    @property
-    def uniform(self) -> bool:
-        return min(self.lengths) == max(self.lengths)
+    row_starts: mx.array  # [B] int32
+    row_lengths: mx.array  # [B] int32
 
     @staticmethod
     def build(
@@ -75,13 +68,42 @@ class Layout:
             pack.extend(b * width + t for t in range(n))
             offset += n
         return Layout(
-            lengths=tuple(lengths),
-            starts=tuple(starts),
+            rows=len(lengths),
+            width=width,
+            uniform=min(lengths) == width,
             capture=capture,
             pad_index=mx.array(pad, dtype=mx.int32),
             pack_index=mx.array(pack, dtype=mx.int32),
             valid=mx.array(valid),
             positions=mx.array(pos, dtype=mx.int32),
+            row_starts=mx.array(list(starts), dtype=mx.int32),
+            row_lengths=mx.array(list(lengths), dtype=mx.int32),
+        )
+
+    def arrays(self) -> list[mx.array]:
+        return [
+            self.pad_index,
+            self.pack_index,
+            self.valid,
+            self.positions,
+            self.row_starts,
+            self.row_lengths,
+        ]
+
+    def with_arrays(self, arrays: list[mx.array]) -> Layout:
+        """The same static shape over other arrays (as a compiled function receives them)."""
+        pad, pack, valid, pos, starts, lengths = arrays
+        return Layout(
+            self.rows,
+            self.width,
+            self.uniform,
+            self.capture,
+            pad,
+            pack,
+            valid,
+            pos,
+            starts,
+            lengths,
         )
 
     def to_padded(self, x: mx.array) -> mx.array:
@@ -100,7 +122,7 @@ class Layout:
 class AttentionState:
     """Past keys and values of one attention layer for the rows of a batch.
 
-    `k`, `v`: `[B, S, Hkv, D]`; row b's first `Layout.starts[b]` entries are valid.
+    `k`, `v`: `[B, S, Hkv, D]`; row b's first `Layout.row_starts[b]` entries are valid.
     The forward returns the new entries (`[B, T, Hkv, D]`, post-norm, post-rope).
     """
 
@@ -275,7 +297,7 @@ class Attention:
 def attention_mask(layout: Layout, past: int) -> mx.array:
     """Boolean `[B, 1, T, S+T]`: past slots below each row's start, then causal new tokens."""
     T = layout.width
-    starts = mx.array(layout.starts, dtype=mx.int32)[:, None, None]
+    starts = layout.row_starts[:, None, None]
     past_ok = mx.arange(past)[None, None, :] < starts  # [B, 1, S]
     causal = mx.arange(T)[None, :] <= mx.arange(T)[:, None]  # [T, T]
     past_ok = mx.broadcast_to(past_ok, (layout.rows, T, past))
@@ -354,24 +376,17 @@ def recurrence(
 ) -> tuple[mx.array, mx.array, LinearCapture | None]:
     """Run the batch's recurrence; capture rows keep their state after every position.
 
-    Capture rows (short verify runs) take the stepwise path over their own width;
-    the others take the fast path over the full width.
+    Capture rows (short verify runs) take the stepwise path; the others the fast path.
     """
     cap_rows = tuple(b for b, c in enumerate(layout.capture) if c)
     if not cap_rows:
         o, final = gated_delta(q, k, v, g, beta, ssm, tiled)
         return o, final, None
     rest = tuple(b for b, c in enumerate(layout.capture) if not c)
-    Tc = max(layout.lengths[b] for b in cap_rows)
     ci = mx.array(cap_rows, dtype=mx.int32)
-    o_c, states = gated_delta(
-        q[ci, :Tc], k[ci, :Tc], v[ci, :Tc], g[ci, :Tc], beta[ci, :Tc], ssm[ci], tiled, capture=True
-    )
-    if Tc < q.shape[1]:
-        o_c = mx.pad(o_c, [(0, 0), (0, q.shape[1] - Tc), (0, 0), (0, 0)])
+    o_c, states = gated_delta(q[ci], k[ci], v[ci], g[ci], beta[ci], ssm[ci], tiled, capture=True)
     states = mx.concatenate([ssm[ci][:, None], states], axis=1)
-    Kc1 = window.shape[1] - q.shape[1]
-    capture = LinearCapture(cap_rows, window[ci, : Kc1 + Tc], states)
+    capture = LinearCapture(cap_rows, window[ci], states)
     if not rest:
         return o_c, states[:, -1], capture
     ri = mx.array(rest, dtype=mx.int32)
@@ -386,7 +401,7 @@ def conv_tail(window: mx.array, layout: Layout, Kc: int) -> mx.array:
     """The last Kc-1 real inputs of each row: `window[b, n_b : n_b + Kc - 1]`."""
     if layout.uniform:
         return window[:, layout.width :]
-    idx = mx.array(layout.lengths, dtype=mx.int32)[:, None] + mx.arange(Kc - 1)[None, :]
+    idx = layout.row_lengths[:, None] + mx.arange(Kc - 1)[None, :]
     return mx.take_along_axis(window, idx[..., None], axis=1)
 
 
