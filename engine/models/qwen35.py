@@ -280,8 +280,12 @@ class Attention:
         # Attend to exactly what the pool will store, so chunking never changes the result.
         k, v = k.astype(state.k.dtype), v.astype(state.v.dtype)
         S = state.k.shape[1]
-        keys = mx.concatenate([state.k, k], axis=1).transpose(0, 2, 1, 3).astype(q.dtype)
-        values = mx.concatenate([state.v, v], axis=1).transpose(0, 2, 1, 3).astype(q.dtype)
+        keys, values = k, v
+        if S:  # no zero-sized arrays: MLX's compiled CUDA graphs do not survive them
+            keys = mx.concatenate([state.k, k], axis=1)
+            values = mx.concatenate([state.v, v], axis=1)
+        keys = keys.transpose(0, 2, 1, 3).astype(q.dtype)
+        values = values.transpose(0, 2, 1, 3).astype(q.dtype)
         out = mx.fast.scaled_dot_product_attention(
             q.transpose(0, 2, 1, 3),
             keys,
@@ -296,13 +300,10 @@ class Attention:
 
 def attention_mask(layout: Layout, past: int) -> mx.array:
     """Boolean `[B, 1, T, S+T]`: past slots below each row's start, then causal new tokens."""
-    T = layout.width
-    starts = layout.row_starts[:, None, None]
-    past_ok = mx.arange(past)[None, None, :] < starts  # [B, 1, S]
-    causal = mx.arange(T)[None, :] <= mx.arange(T)[:, None]  # [T, T]
-    past_ok = mx.broadcast_to(past_ok, (layout.rows, T, past))
-    new_ok = mx.broadcast_to(causal[None], (layout.rows, T, T))
-    return mx.concatenate([past_ok, new_ok], axis=-1)[:, None]
+    key = mx.arange(past + layout.width)[None, None, :]
+    query = mx.arange(layout.width)[None, :, None]
+    start = layout.row_starts[:, None, None]
+    return mx.where(key < past, key < start, key - past <= query)[:, None]
 
 
 class GatedDeltaNet:
