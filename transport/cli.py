@@ -95,7 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return args._commands[args.command](args)
+    try:
+        return args._commands[args.command](args)
+    except (ValueError, OSError) as e:
+        # Bad input, not a bug: an unusable model file (GGUFError), token ids outside the
+        # vocabulary, an unwritable output path. Say what is wrong; no traceback.
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
