@@ -193,6 +193,40 @@ def matmul(x: mx.array, w: Weight) -> mx.array:
     return x @ w.T
 
 
+class Projection:
+    """Matrices applied to the same input, as ONE matmul when their storage allows it
+    (all float, or all quantized alike): fewer, larger kernels per step."""
+
+    def __init__(self, ld: Loader, parts: list[tuple[str, tuple[int, int]]]) -> None:
+        weights = [ld.matrix(name, shape) for name, shape in parts]
+        self.sizes = [shape[0] for _, shape in parts]
+        self.fused = _concat_rows(weights)
+        self.parts = weights if self.fused is None else []
+
+    def __call__(self, x: mx.array) -> list[mx.array]:
+        if self.fused is None:
+            return [matmul(x, w) for w in self.parts]
+        bounds = [sum(self.sizes[: i + 1]) for i in range(len(self.sizes) - 1)]
+        return list(mx.split(matmul(x, self.fused), bounds, axis=-1))
+
+
+def _concat_rows(ws: list[Weight]) -> Weight | None:
+    if all(isinstance(w, mx.array) for w in ws):
+        return mx.concatenate(ws, axis=0)  # type: ignore[arg-type]
+    qs = [w for w in ws if isinstance(w, QuantizedWeight)]
+    if len(qs) != len(ws) or len({(q.bits, q.group_size, q.shape[1]) for q in qs}) != 1:
+        return None
+    q0 = qs[0]
+    return QuantizedWeight(
+        weight=mx.concatenate([q.weight for q in qs], axis=0),
+        scales=mx.concatenate([q.scales for q in qs], axis=0),
+        biases=mx.concatenate([q.biases for q in qs], axis=0),
+        bits=q0.bits,
+        group_size=q0.group_size,
+        shape=(sum(q.shape[0] for q in qs), q0.shape[1]),
+    )
+
+
 def expert_matmul(x: mx.array, w: Weight, idx: mx.array) -> mx.array:
     """Per-token expert matmul: x `[N, 1, 1, in]`, w `(n_exp, out, in)`, idx `[N, k]` -> `[N, k, 1, out]`."""
     if isinstance(w, QuantizedWeight):
@@ -256,9 +290,14 @@ class Attention:
     def __init__(self, ld: Loader, prefix: str, cfg: ModelConfig, freqs: mx.array) -> None:
         E, H, Hkv, D = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim
         self.cfg, self.freqs = cfg, freqs
-        self.wq = ld.matrix(f"{prefix}.attn_q.weight", (2 * H * D, E))
-        self.wk = ld.matrix(f"{prefix}.attn_k.weight", (Hkv * D, E))
-        self.wv = ld.matrix(f"{prefix}.attn_v.weight", (Hkv * D, E))
+        self.qkv = Projection(
+            ld,
+            [
+                (f"{prefix}.attn_q.weight", (2 * H * D, E)),
+                (f"{prefix}.attn_k.weight", (Hkv * D, E)),
+                (f"{prefix}.attn_v.weight", (Hkv * D, E)),
+            ],
+        )
         self.wo = ld.matrix(f"{prefix}.attn_output.weight", (E, H * D))
         self.q_norm = ld.dense(f"{prefix}.attn_q_norm.weight", (D,))
         self.k_norm = ld.dense(f"{prefix}.attn_k_norm.weight", (D,))
@@ -268,12 +307,11 @@ class Attention:
     ) -> tuple[mx.array, AttentionState]:
         cfg = self.cfg
         H, Hkv, D, eps = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps
-        qg = layout.to_padded(matmul(x, self.wq))
+        qg, k, v = (layout.to_padded(y) for y in self.qkv(x))
         B, T, _ = qg.shape
         qg = qg.reshape(B, T, H, 2, D)
         q, gate = qg[..., 0, :], qg[..., 1, :]
-        k = layout.to_padded(matmul(x, self.wk)).reshape(B, T, Hkv, D)
-        v = layout.to_padded(matmul(x, self.wv)).reshape(B, T, Hkv, D)
+        k, v = k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
         q = apply_rope(rms_norm(q, self.q_norm, eps), layout.positions, self.freqs)
         k = apply_rope(rms_norm(k, self.k_norm, eps), layout.positions, self.freqs)
 
@@ -313,14 +351,16 @@ class GatedDeltaNet:
         E, Hv, Kc = cfg.n_embd, cfg.ssm_hv, cfg.conv_kernel
         Cc, Cv = cfg.conv_channels, cfg.ssm_hv * cfg.ssm_dv
         self.cfg = cfg
-        self.w_qkv = ld.matrix(f"{prefix}.attn_qkv.weight", (Cc, E))
-        self.w_gate = ld.matrix(f"{prefix}.attn_gate.weight", (Cv, E))
-        if ld.has(f"{prefix}.ssm_ba.weight"):
-            self.w_ba: Weight | None = ld.matrix(f"{prefix}.ssm_ba.weight", (2 * Hv, E))
-        else:
-            self.w_ba = None
-            self.w_beta = ld.matrix(f"{prefix}.ssm_beta.weight", (Hv, E))
-            self.w_alpha = ld.matrix(f"{prefix}.ssm_alpha.weight", (Hv, E))
+        ba = (
+            [(f"{prefix}.ssm_ba.weight", (2 * Hv, E))]
+            if ld.has(f"{prefix}.ssm_ba.weight")
+            else [(f"{prefix}.ssm_beta.weight", (Hv, E)), (f"{prefix}.ssm_alpha.weight", (Hv, E))]
+        )
+        self.fused_ba = len(ba) == 1
+        self.proj = Projection(
+            ld,
+            [(f"{prefix}.attn_qkv.weight", (Cc, E)), (f"{prefix}.attn_gate.weight", (Cv, E)), *ba],
+        )
         self.conv_w = ld.dense(f"{prefix}.ssm_conv1d.weight", (Cc, Kc), exact=True)
         dt = f"{prefix}.ssm_dt.bias" if ld.has(f"{prefix}.ssm_dt.bias") else f"{prefix}.ssm_dt"
         self.dt_bias = ld.dense(dt, (Hv,), exact=True)
@@ -328,13 +368,13 @@ class GatedDeltaNet:
         self.norm = ld.dense(f"{prefix}.ssm_norm.weight", (cfg.ssm_dv,), exact=True)
         self.w_out = ld.matrix(f"{prefix}.ssm_out.weight", (E, Cv))
 
-    def _beta_alpha(self, x: mx.array) -> tuple[mx.array, mx.array]:
-        if self.w_ba is None:
-            return matmul(x, self.w_beta), matmul(x, self.w_alpha)
+    def _beta_alpha(self, ba: list[mx.array]) -> tuple[mx.array, mx.array]:
+        if not self.fused_ba:
+            return ba[0], ba[1]
         cfg = self.cfg
         r = cfg.ssm_hv // cfg.ssm_hk
-        ba = matmul(x, self.w_ba).reshape(-1, cfg.ssm_hk, 2 * r)  # per key head: [b x r, a x r]
-        return ba[..., :r].reshape(-1, cfg.ssm_hv), ba[..., r:].reshape(-1, cfg.ssm_hv)
+        fused = ba[0].reshape(-1, cfg.ssm_hk, 2 * r)  # per key head: [b x r, a x r]
+        return fused[..., :r].reshape(-1, cfg.ssm_hv), fused[..., r:].reshape(-1, cfg.ssm_hv)
 
     def __call__(
         self, x: mx.array, layout: Layout, state: LinearState
@@ -342,13 +382,14 @@ class GatedDeltaNet:
         cfg = self.cfg
         Hk, Hv, dk, dv, Kc = cfg.ssm_hk, cfg.ssm_hv, cfg.ssm_dk, cfg.ssm_dv, cfg.conv_kernel
         Cq = Hk * dk
-        b_raw, a_raw = self._beta_alpha(x)
+        p_raw, z_raw, *ba = self.proj(x)
+        b_raw, a_raw = self._beta_alpha(ba)
         valid = layout.valid[..., None]
         beta = mx.where(valid, mx.sigmoid(layout.to_padded(b_raw).astype(mx.float32)), 0.0)
         g = self.ssm_a * nn.softplus(layout.to_padded(a_raw).astype(mx.float32) + self.dt_bias)
         g = mx.where(valid, g, 0.0)  # padding: decay 1 and no update keep the state as is
 
-        p = layout.to_padded(matmul(x, self.w_qkv))  # [B, T, Cc]
+        p = layout.to_padded(p_raw)  # [B, T, Cc]
         B, T, _ = p.shape
         window = mx.concatenate([state.conv, p.astype(mx.float32)], axis=1)  # [B, Kc-1+T, Cc]
         c = nn.silu(sum(window[:, i : i + T] * self.conv_w[:, i] for i in range(Kc)))
@@ -358,7 +399,7 @@ class GatedDeltaNet:
         q = q * (1.0 / math.sqrt(dk))
         o, ssm, capture = recurrence(q, k, v, g, beta, state.ssm, window, layout, cfg.v_heads_tiled)
 
-        z = layout.to_padded(matmul(x, self.w_gate)).reshape(B, T, Hv, dv)
+        z = layout.to_padded(z_raw).reshape(B, T, Hv, dv)
         y = (rms_norm(o, self.norm, cfg.rms_eps) * nn.silu(z.astype(mx.float32))).astype(x.dtype)
         out = matmul(layout.to_packed(y.reshape(B, T, Hv * dv)), self.w_out)
         return out, LinearState(conv_tail(window, layout, Kc), ssm), capture
@@ -408,12 +449,18 @@ def conv_tail(window: mx.array, layout: Layout, Kc: int) -> mx.array:
 
 class DenseFFN:
     def __init__(self, ld: Loader, prefix: str, n_embd: int, n_ff: int, suffix: str = "") -> None:
-        self.gate = ld.matrix(f"{prefix}.ffn_gate{suffix}.weight", (n_ff, n_embd))
-        self.up = ld.matrix(f"{prefix}.ffn_up{suffix}.weight", (n_ff, n_embd))
+        self.gate_up = Projection(
+            ld,
+            [
+                (f"{prefix}.ffn_gate{suffix}.weight", (n_ff, n_embd)),
+                (f"{prefix}.ffn_up{suffix}.weight", (n_ff, n_embd)),
+            ],
+        )
         self.down = ld.matrix(f"{prefix}.ffn_down{suffix}.weight", (n_embd, n_ff))
 
     def __call__(self, x: mx.array) -> mx.array:
-        return matmul(nn.silu(matmul(x, self.gate)) * matmul(x, self.up), self.down)
+        gate, up = self.gate_up(x)
+        return matmul(nn.silu(gate) * up, self.down)
 
 
 class MoEFFN:
