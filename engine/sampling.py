@@ -1,0 +1,173 @@
+"""From logits to tokens, for a batch of rows with their own parameters.
+
+Three steps, each batched over rows on the device:
+1. `adjust_logits`: logit bias and repetition / presence / frequency penalties
+   over each row's token history;
+2. `distribution`: the row's sampling distribution p — temperature, top-k,
+   top-p, min-p (greedy rows get a one-hot at the argmax);
+3. `draw`: a token per row by inverse CDF from a uniform that the request's own
+   seeded generator supplies, so a request samples the same tokens whatever
+   else shares its batch.
+
+Speculative acceptance shapes its target and draft distributions with the same
+`distribution`, so both see identical temperature and truncation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+
+class SamplingError(ValueError):
+    """Sampling parameters out of range; the message names the parameter."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # llama.cpp / CTRL: divide positive logits, multiply negative
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    seed: int | None = None
+    logprobs: int = 0  # top-n log-probabilities to report per token
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def validate(self, vocab_size: int) -> None:
+        checks = [
+            (0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
+            (0.0 <= self.min_p < 1.0, "min_p must be in [0, 1)"),
+            (0.0 < self.repetition_penalty <= 10.0, "repetition_penalty must be in (0, 10]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
+            (0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (self.seed is None or 0 <= self.seed < 2**63, "seed must be in [0, 2**63)"),
+        ]
+        for ok, why in checks:
+            if not ok:
+                raise SamplingError(why)
+        for tok, bias in self.logit_bias:
+            if not 0 <= tok < vocab_size:
+                raise SamplingError(
+                    f"logit_bias token {tok} outside the vocabulary of {vocab_size}"
+                )
+            if not -100.0 <= bias <= 100.0:
+                raise SamplingError(f"logit_bias for token {tok} must be in [-100, 100]")
+
+
+class RequestRng:
+    """A request's own stream of uniforms: seeded requests replay exactly."""
+
+    def __init__(self, seed: int | None) -> None:
+        self.seed = int(np.random.SeedSequence().entropy % 2**63) if seed is None else seed
+        self._gen = np.random.default_rng(self.seed)
+
+    def uniform(self, n: int = 1) -> np.ndarray:
+        return self._gen.random(n)
+
+
+def adjust_logits(
+    logits: mx.array, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]]
+) -> mx.array:
+    """Apply logit bias and penalties. logits `[N, V]` float32; `histories[i]` are the
+    tokens row i has seen (prompt and output) for the penalties."""
+    rows, cols, deltas, scales = [], [], [], []
+    for i, (p, hist) in enumerate(zip(params, histories, strict=True)):
+        if not p.penalized and not p.logit_bias:
+            continue
+        tokens: dict[int, int] = {}
+        if p.penalized:
+            for t in hist:
+                tokens[t] = tokens.get(t, 0) + 1
+        bias = dict(p.logit_bias)
+        for t in sorted(set(tokens) | set(bias)):
+            count = tokens.get(t, 0)
+            rows.append(i)
+            cols.append(t)
+            scales.append(p.repetition_penalty if count else 1.0)
+            deltas.append(
+                bias.get(t, 0.0)
+                - (p.presence_penalty if count else 0.0)
+                - p.frequency_penalty * count
+            )
+    if not rows:
+        return logits
+    r, c = mx.array(rows, dtype=mx.int32), mx.array(cols, dtype=mx.int32)
+    x = logits[r, c]
+    scale = mx.array(scales, dtype=mx.float32)
+    x = mx.where(x > 0, x / scale, x * scale) + mx.array(deltas, dtype=mx.float32)
+    out = mx.array(logits)
+    out[r, c] = x
+    return out
+
+
+def distribution(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:
+    """Per-row sampling distribution `[N, V]` (float32, rows sum to 1)."""
+    logits = logits.astype(mx.float32)
+    V = logits.shape[-1]
+    greedy = mx.array([p.greedy for p in params])[:, None]
+    temp = mx.array([p.temperature if not p.greedy else 1.0 for p in params])[:, None]
+    z = logits / temp
+    if any(p.top_k or p.top_p < 1.0 or p.min_p > 0.0 for p in params if not p.greedy):
+        z = _truncate(z, params)
+    probs = mx.softmax(z, axis=-1)
+    one_hot = mx.arange(V)[None, :] == mx.argmax(logits, axis=-1, keepdims=True)
+    return mx.where(greedy, one_hot.astype(mx.float32), probs)
+
+
+def _truncate(z: mx.array, params: Sequence[SamplingParams]) -> mx.array:
+    """Mask out (to -inf) what top-k, top-p and min-p exclude, per row."""
+    V = z.shape[-1]
+    order = mx.argsort(-z, axis=-1)
+    zs = mx.take_along_axis(z, order, axis=-1)  # descending
+    rank = mx.arange(V)[None, :]
+    k = mx.array([p.top_k if p.top_k > 0 else V for p in params])[:, None]
+    keep = rank < k
+    ps = mx.softmax(mx.where(keep, zs, -mx.inf), axis=-1)
+    top_p = mx.array([p.top_p for p in params], dtype=mx.float32)[:, None]
+    before = mx.cumsum(ps, axis=-1) - ps  # mass strictly before this token
+    keep = keep & (before < top_p)
+    min_p = mx.array([p.min_p for p in params], dtype=mx.float32)[:, None]
+    keep = keep & (ps >= min_p * ps[:, :1])
+    keep = keep | (rank == 0)  # the most likely token always survives
+    masked_sorted = mx.where(keep, zs, -mx.inf)
+    inverse = mx.argsort(order, axis=-1)
+    return mx.take_along_axis(masked_sorted, inverse, axis=-1)
+
+
+def draw(probs: mx.array, uniforms: np.ndarray) -> mx.array:
+    """One token per row by inverse CDF: the first token whose cumulative mass exceeds u."""
+    cdf = mx.cumsum(probs, axis=-1)
+    u = mx.array(uniforms.astype(np.float32))[:, None] * cdf[:, -1:]
+    idx = (cdf <= u).sum(axis=-1)
+    return mx.minimum(idx, probs.shape[-1] - 1).astype(mx.int32)
+
+
+def top_logprobs(logits: mx.array, n: int) -> tuple[mx.array, mx.array, mx.array]:
+    """Log-softmax of the (adjusted) logits: `(logprobs [N, V], top ids [N, n], their logprobs)`."""
+    lp = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+    if n == 0:
+        empty = mx.zeros((logits.shape[0], 0))
+        return lp, empty.astype(mx.int32), empty
+    ids = mx.argsort(-lp, axis=-1)[:, :n]
+    return lp, ids, mx.take_along_axis(lp, ids, axis=-1)

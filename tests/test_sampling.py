@@ -1,0 +1,119 @@
+"""Sampling: each transformation does what it says, draws follow p, seeds replay."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from scipy import stats
+
+from engine.sampling import (
+    RequestRng,
+    SamplingError,
+    SamplingParams,
+    adjust_logits,
+    distribution,
+    draw,
+    top_logprobs,
+)
+
+V = 50
+
+
+def logits(n: int = 1, seed: int = 0) -> mx.array:
+    return mx.array(np.random.default_rng(seed).normal(0, 2, (n, V)).astype(np.float32))
+
+
+def test_greedy_is_one_hot_at_the_argmax() -> None:
+    x = logits()
+    p = np.array(distribution(x, [SamplingParams(temperature=0.0)]))
+    assert p[0].argmax() == int(mx.argmax(x[0]).item()) and p[0].max() == 1.0 and p.sum() == 1.0
+
+
+def test_temperature_scales_logits() -> None:
+    x = logits()
+    p = np.array(distribution(x, [SamplingParams(temperature=0.5)]))[0]
+    want = np.exp(np.array(x[0]) / 0.5)
+    np.testing.assert_allclose(p, want / want.sum(), rtol=1e-5)
+
+
+def test_top_k_keeps_exactly_k_tokens() -> None:
+    x = logits()
+    p = np.array(distribution(x, [SamplingParams(top_k=7)]))[0]
+    assert (p > 0).sum() == 7
+    assert set(np.flatnonzero(p)) == set(np.argsort(-np.array(x[0]))[:7])
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    x = logits()
+    p_full = np.array(distribution(x, [SamplingParams()]))[0]
+    p = np.array(distribution(x, [SamplingParams(top_p=0.6)]))[0]
+    kept = np.sort(p_full[p > 0])[::-1]
+    assert kept.sum() >= 0.6 and kept[:-1].sum() < 0.6
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best() -> None:
+    x = logits()
+    p_full = np.array(distribution(x, [SamplingParams()]))[0]
+    p = np.array(distribution(x, [SamplingParams(min_p=0.2)]))[0]
+    assert set(np.flatnonzero(p)) == set(np.flatnonzero(p_full >= 0.2 * p_full.max()))
+
+
+def test_rows_use_their_own_parameters() -> None:
+    x = mx.concatenate([logits(seed=1)] * 3)
+    params = [SamplingParams(top_k=3), SamplingParams(temperature=0.0), SamplingParams()]
+    p = np.array(distribution(x, params))
+    assert (p[0] > 0).sum() == 3 and p[1].max() == 1.0 and (p[2] > 0).sum() == V
+
+
+def test_penalties_and_bias_follow_llama_cpp_formulas() -> None:
+    x = mx.array([[2.0, -2.0, 1.0, 0.5]])
+    params = SamplingParams(
+        repetition_penalty=2.0,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        logit_bias=((3, 5.0),),
+    )
+    out = np.array(adjust_logits(x, [params], [[0, 1, 1]]))[0]
+    np.testing.assert_allclose(out, [2.0 / 2 - 0.5 - 0.25, -2.0 * 2 - 0.5 - 0.5, 1.0, 5.5])
+
+
+def test_draws_follow_the_distribution() -> None:
+    x = logits(seed=3)
+    p = np.array(distribution(x, [SamplingParams(temperature=0.8, top_k=10)]))[0]
+    rng = RequestRng(1)
+    n = 20_000
+    probs = mx.broadcast_to(mx.array(p)[None], (n, V))
+    toks = np.array(draw(probs, rng.uniform(n)))
+    support = np.flatnonzero(p)
+    assert set(np.unique(toks)) <= set(support)
+    counts = np.bincount(toks, minlength=V)[support]
+    expected = p[support].astype(np.float64) / p[support].sum() * n
+    assert stats.chisquare(counts, expected * counts.sum() / expected.sum()).pvalue > 0.01
+
+
+def test_a_seed_replays_the_same_uniforms() -> None:
+    assert np.array_equal(RequestRng(42).uniform(5), RequestRng(42).uniform(5))
+    assert RequestRng(None).seed != RequestRng(None).seed
+
+
+def test_top_logprobs_are_normalised_and_sorted() -> None:
+    lp, ids, top = top_logprobs(logits(), 5)
+    assert abs(float(mx.logsumexp(lp[0]).item())) < 1e-5
+    assert np.all(np.diff(np.array(top[0])) <= 0) and ids.shape == (1, 5)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=-1.0),
+        SamplingParams(top_p=0.0),
+        SamplingParams(min_p=1.0),
+        SamplingParams(top_k=-1),
+        SamplingParams(logit_bias=((V, 1.0),)),
+        SamplingParams(logprobs=21),
+    ],
+)
+def test_out_of_range_parameters_are_rejected(params: SamplingParams) -> None:
+    with pytest.raises(SamplingError):
+        params.validate(V)
