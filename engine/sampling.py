@@ -79,7 +79,7 @@ class RequestRng:
     """A request's own stream of uniforms: seeded requests replay exactly."""
 
     def __init__(self, seed: int | None) -> None:
-        self.seed = int(np.random.SeedSequence().entropy % 2**63) if seed is None else seed
+        self.seed = int(np.random.default_rng().integers(0, 2**63)) if seed is None else seed
         self._gen = np.random.default_rng(self.seed)
 
     def uniform(self, n: int = 1) -> np.ndarray:
