@@ -1,1 +1,1 @@
-"""engine/spec"""
+"""Speculative decoding: drafters, acceptance, and the per-step planner."""
