@@ -20,6 +20,7 @@ import mlx.nn as nn
 
 from engine.gated_delta import gated_delta
 from engine.gguf import GGUFFile, ModelConfig, QuantizedWeight, Weight
+from engine.kernels import gdn_mixer_cuda
 
 # ----------------------------------------------------------------------------------------------
 # Batch layout and per-row state crossing the model boundary
@@ -384,24 +385,44 @@ class GatedDeltaNet:
         Cq = Hk * dk
         p_raw, z_raw, *ba = self.proj(x)
         b_raw, a_raw = self._beta_alpha(ba)
-        valid = layout.valid[..., None]
-        beta = mx.where(valid, mx.sigmoid(layout.to_padded(b_raw).astype(mx.float32)), 0.0)
-        g = self.ssm_a * nn.softplus(layout.to_padded(a_raw).astype(mx.float32) + self.dt_bias)
-        g = mx.where(valid, g, 0.0)  # padding: decay 1 and no update keep the state as is
-
         p = layout.to_padded(p_raw)  # [B, T, Cc]
+        z = layout.to_padded(z_raw)
         B, T, _ = p.shape
+        z = z.reshape(B, T, Hv, dv)
         window = mx.concatenate([state.conv, p.astype(mx.float32)], axis=1)  # [B, Kc-1+T, Cc]
-        c = nn.silu(sum(window[:, i : i + T] * self.conv_w[:, i] for i in range(Kc)))
-        q = l2_normalize(c[..., :Cq].reshape(B, T, Hk, dk), cfg.rms_eps)
-        k = l2_normalize(c[..., Cq : 2 * Cq].reshape(B, T, Hk, dk), cfg.rms_eps)
-        v = c[..., 2 * Cq :].reshape(B, T, Hv, dv)
-        q = q * (1.0 / math.sqrt(dk))
-        o, ssm, capture = recurrence(q, k, v, g, beta, state.ssm, window, layout, cfg.v_heads_tiled)
-
-        z = layout.to_padded(z_raw).reshape(B, T, Hv, dv)
-        y = (rms_norm(o, self.norm, cfg.rms_eps) * nn.silu(z.astype(mx.float32))).astype(x.dtype)
-        out = matmul(layout.to_packed(y.reshape(B, T, Hv * dv)), self.w_out)
+        capture = None
+        if gdn_mixer_cuda.available() and not any(layout.capture):
+            y, ssm = gdn_mixer_cuda.gdn_mixer_cuda(
+                p,
+                z,
+                layout.to_padded(b_raw),
+                layout.to_padded(a_raw),
+                layout.valid,
+                state.conv,
+                state.ssm,
+                self.conv_w,
+                self.dt_bias,
+                self.ssm_a,
+                self.norm,
+                n_key_heads=Hk,
+                tiled=cfg.v_heads_tiled,
+                eps=cfg.rms_eps,
+            )
+        else:
+            valid = layout.valid[..., None]
+            beta = mx.where(valid, mx.sigmoid(layout.to_padded(b_raw).astype(mx.float32)), 0.0)
+            g = self.ssm_a * nn.softplus(layout.to_padded(a_raw).astype(mx.float32) + self.dt_bias)
+            g = mx.where(valid, g, 0.0)  # padding: decay 1 and no update keep the state as is
+            c = nn.silu(sum(window[:, i : i + T] * self.conv_w[:, i] for i in range(Kc)))
+            q = l2_normalize(c[..., :Cq].reshape(B, T, Hk, dk), cfg.rms_eps)
+            k = l2_normalize(c[..., Cq : 2 * Cq].reshape(B, T, Hk, dk), cfg.rms_eps)
+            v = c[..., 2 * Cq :].reshape(B, T, Hv, dv)
+            q = q * (1.0 / math.sqrt(dk))
+            o, ssm, capture = recurrence(
+                q, k, v, g, beta, state.ssm, window, layout, cfg.v_heads_tiled
+            )
+            y = rms_norm(o, self.norm, cfg.rms_eps) * nn.silu(z.astype(mx.float32))
+        out = matmul(layout.to_packed(y.astype(x.dtype).reshape(B, T, Hv * dv)), self.w_out)
         return out, LinearState(conv_tail(window, layout, Kc), ssm), capture
 
 
