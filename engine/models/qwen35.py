@@ -43,7 +43,6 @@ class Layout:
     pad_index: mx.array  # [B, T] int32: packed index of (b, t); 0 where t >= length
     pack_index: mx.array  # [N] int32: b * T + t of each packed token
     valid: mx.array  # [B, T] bool
-    positions: mx.array  # [B, T] int32 absolute positions (padding: start of row)
     row_starts: mx.array  # [B] int32
     row_lengths: mx.array  # [B] int32
 
@@ -59,13 +58,11 @@ class Layout:
         width = max(lengths)
         pad: list[list[int]] = []
         valid: list[list[bool]] = []
-        pos: list[list[int]] = []
         pack: list[int] = []
         offset = 0
-        for b, (n, s) in enumerate(zip(lengths, starts, strict=True)):
+        for b, n in enumerate(lengths):
             pad.append([offset + t if t < n else 0 for t in range(width)])
             valid.append([t < n for t in range(width)])
-            pos.append([s + t if t < n else s for t in range(width)])
             pack.extend(b * width + t for t in range(n))
             offset += n
         return Layout(
@@ -76,7 +73,6 @@ class Layout:
             pad_index=mx.array(pad, dtype=mx.int32),
             pack_index=mx.array(pack, dtype=mx.int32),
             valid=mx.array(valid),
-            positions=mx.array(pos, dtype=mx.int32),
             row_starts=mx.array(list(starts), dtype=mx.int32),
             row_lengths=mx.array(list(lengths), dtype=mx.int32),
         )
@@ -86,14 +82,13 @@ class Layout:
             self.pad_index,
             self.pack_index,
             self.valid,
-            self.positions,
             self.row_starts,
             self.row_lengths,
         ]
 
     def with_arrays(self, arrays: list[mx.array]) -> Layout:
         """The same static shape over other arrays (as a compiled function receives them)."""
-        pad, pack, valid, pos, starts, lengths = arrays
+        pad, pack, valid, starts, lengths = arrays
         return Layout(
             self.rows,
             self.width,
@@ -102,7 +97,6 @@ class Layout:
             pad,
             pack,
             valid,
-            pos,
             starts,
             lengths,
         )
@@ -272,15 +266,6 @@ def rope_frequencies(cfg: ModelConfig) -> mx.array:
     return mx.array(freqs, dtype=mx.float32)
 
 
-def apply_rope(x: mx.array, positions: mx.array, freqs: mx.array) -> mx.array:
-    """NeoX rotate-half rope on the first 2*len(freqs) dims. x `[B, T, H, D]`, positions `[B, T]`."""
-    half = freqs.shape[0]
-    theta = positions.astype(mx.float32)[..., None, None] * freqs  # [B, T, 1, half]
-    cos, sin = mx.cos(theta).astype(x.dtype), mx.sin(theta).astype(x.dtype)
-    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
-    return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
-
-
 # ----------------------------------------------------------------------------------------------
 # Layers
 
@@ -290,7 +275,9 @@ class Attention:
 
     def __init__(self, ld: Loader, prefix: str, cfg: ModelConfig, freqs: mx.array) -> None:
         E, H, Hkv, D = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        self.cfg, self.freqs = cfg, freqs
+        self.cfg = cfg
+        # mx.fast.rope takes wavelengths 1/omega; unrotated pairs (omega = 0) get infinity
+        self.wavelengths = mx.where(freqs > 0, 1.0 / freqs, mx.inf)
         self.qkv = Projection(
             ld,
             [
@@ -303,6 +290,18 @@ class Attention:
         self.q_norm = ld.dense(f"{prefix}.attn_q_norm.weight", (D,))
         self.k_norm = ld.dense(f"{prefix}.attn_k_norm.weight", (D,))
 
+    def rope(self, x: mx.array, layout: Layout) -> mx.array:
+        """NeoX rope on `[B, H, T, D]`, row b starting at position `row_starts[b]`."""
+        return mx.fast.rope(
+            x,
+            self.cfg.rope_dim,
+            traditional=False,
+            base=None,
+            scale=1.0,
+            offset=layout.row_starts,
+            freqs=self.wavelengths,
+        )
+
     def __call__(
         self, x: mx.array, layout: Layout, state: AttentionState
     ) -> tuple[mx.array, AttentionState]:
@@ -313,8 +312,9 @@ class Attention:
         qg = qg.reshape(B, T, H, 2, D)
         q, gate = qg[..., 0, :], qg[..., 1, :]
         k, v = k.reshape(B, T, Hkv, D), v.reshape(B, T, Hkv, D)
-        q = apply_rope(rms_norm(q, self.q_norm, eps), layout.positions, self.freqs)
-        k = apply_rope(rms_norm(k, self.k_norm, eps), layout.positions, self.freqs)
+        q = self.rope(rms_norm(q, self.q_norm, eps).transpose(0, 2, 1, 3), layout)
+        k = self.rope(rms_norm(k, self.k_norm, eps).transpose(0, 2, 1, 3), layout)
+        k = k.transpose(0, 2, 1, 3)  # [B, T, Hkv, D] as the pool stores it
 
         # Attend to exactly what the pool will store, so chunking never changes the result.
         k, v = k.astype(state.k.dtype), v.astype(state.v.dtype)
@@ -326,7 +326,7 @@ class Attention:
         keys = keys.transpose(0, 2, 1, 3).astype(q.dtype)
         values = values.transpose(0, 2, 1, 3).astype(q.dtype)
         out = mx.fast.scaled_dot_product_attention(
-            q.transpose(0, 2, 1, 3),
+            q,
             keys,
             values,
             scale=1.0 / math.sqrt(D),
