@@ -78,10 +78,13 @@ class SlotPool:
     max_context: int
     kv_dtype: mx.Dtype = mx.float16
     max_draft: int = 0
-    k: list[mx.array] = field(init=False)
-    v: list[mx.array] = field(init=False)
-    conv: list[mx.array] = field(init=False)
-    ssm: list[mx.array] = field(init=False)
+    # Stacked over layers of a kind: k, v `[attention layers, slots, context, Hkv, D]`,
+    # conv `[linear layers, slots, Kc-1, Cc]`, ssm `[linear layers, slots, Hv, dv, dk]`,
+    # so a step reads and writes each with ONE gather and ONE scatter.
+    k: mx.array = field(init=False)
+    v: mx.array = field(init=False)
+    conv: mx.array = field(init=False)
+    ssm: mx.array = field(init=False)
     mtp_k: mx.array | None = field(init=False)
     mtp_v: mx.array | None = field(init=False)
 
@@ -92,13 +95,17 @@ class SlotPool:
                 f"pool needs n_slots >= 1 and max_context >= 1, got {self.n_slots}, "
                 f"{self.max_context}"
             )
+        if cfg.n_attention_layers < 1 or cfg.n_linear_layers < 1:
+            raise ValueError(
+                f"{cfg.name}: a hybrid model needs both layer kinds, got "
+                f"{cfg.n_attention_layers} attention and {cfg.n_linear_layers} linear layers"
+            )
         kv_shape = (self.n_slots, self.max_context, cfg.n_head_kv, cfg.head_dim)
-        self.k = [mx.zeros(kv_shape, self.kv_dtype) for _ in range(cfg.n_attention_layers)]
-        self.v = [mx.zeros(kv_shape, self.kv_dtype) for _ in range(cfg.n_attention_layers)]
-        conv_shape = (self.n_slots, cfg.conv_kernel - 1, cfg.conv_channels)
-        ssm_shape = (self.n_slots, cfg.ssm_hv, cfg.ssm_dv, cfg.ssm_dk)
-        self.conv = [mx.zeros(conv_shape, mx.float32) for _ in range(cfg.n_linear_layers)]
-        self.ssm = [mx.zeros(ssm_shape, mx.float32) for _ in range(cfg.n_linear_layers)]
+        La, Ll = cfg.n_attention_layers, cfg.n_linear_layers
+        self.k = mx.zeros((La, *kv_shape), self.kv_dtype)
+        self.v = mx.zeros((La, *kv_shape), self.kv_dtype)
+        self.conv = mx.zeros((Ll, self.n_slots, cfg.conv_kernel - 1, cfg.conv_channels))
+        self.ssm = mx.zeros((Ll, self.n_slots, cfg.ssm_hv, cfg.ssm_dv, cfg.ssm_dk))
         has_mtp = cfg.n_mtp > 0
         self.mtp_k = mx.zeros(kv_shape, self.kv_dtype) if has_mtp else None
         self.mtp_v = mx.zeros(kv_shape, self.kv_dtype) if has_mtp else None
@@ -145,8 +152,8 @@ class SlotPool:
 
     def _reset_row(self, slot: SlotId) -> None:
         # KV beyond a slot's length is never read, so only the recurrent state needs zeroing.
-        for arr in self.conv + self.ssm:
-            arr[slot] = 0
+        self.conv[:, slot] = 0
+        self.ssm[:, slot] = 0
         self.lengths[slot] = 0
         self.mtp_lengths[slot] = 0
         self._captures.pop(slot, None)
@@ -174,7 +181,7 @@ class SlotPool:
     @property
     def total_bytes(self) -> int:
         """Bytes held by the pool's preallocated arrays (capture buffers are counted per use)."""
-        arrays = self.k + self.v + self.conv + self.ssm
+        arrays = [self.k, self.v, self.conv, self.ssm]
         arrays += [a for a in (self.mtp_k, self.mtp_v) if a is not None]
         return sum(a.nbytes for a in arrays)
 
@@ -202,65 +209,54 @@ class SlotPool:
                     f"slot {slot}: a capture row of {n} tokens exceeds max_draft {self.max_draft} + 1"
                 )
 
-    def arrays(self) -> list[mx.array]:
-        """The trunk's state arrays in layer order (KV pairs for attention, conv/ssm for linear)."""
-        out: list[mx.array] = []
-        ai = li = 0
-        for recurrent in self.config.recurrent:
-            if recurrent:
-                out += [self.conv[li], self.ssm[li]]
-                li += 1
-            else:
-                out += [self.k[ai], self.v[ai]]
-                ai += 1
-        return out
+    def read(self, slot_idx: mx.array, past: int) -> list[mx.array]:
+        """Stacked state of the rows `slot_idx`: k, v (the first `past` entries), conv, ssm."""
+        return [
+            self.k[:, slot_idx, :past],
+            self.v[:, slot_idx, :past],
+            self.conv[:, slot_idx],
+            self.ssm[:, slot_idx],
+        ]
 
-    def set_arrays(self, arrays: list[mx.array]) -> None:
-        ai = li = 0
-        for i, recurrent in enumerate(self.config.recurrent):
-            a, b = arrays[2 * i], arrays[2 * i + 1]
-            if recurrent:
-                self.conv[li], self.ssm[li] = a, b
-                li += 1
-            else:
-                self.k[ai], self.v[ai] = a, b
-                ai += 1
+    def write(
+        self, slot_idx: mx.array, tok_slot: mx.array, tok_pos: mx.array, new: list[mx.array]
+    ) -> None:
+        """Store a step's new state (as `stack_states` returns it) in place: each row's conv
+        and ssm, and K/V of every packed token at `(tok_slot, tok_pos)`."""
+        k, v, conv, ssm = new
+        self.k[:, tok_slot, tok_pos] = k.astype(self.kv_dtype)
+        self.v[:, tok_slot, tok_pos] = v.astype(self.kv_dtype)
+        self.conv[:, slot_idx] = conv
+        self.ssm[:, slot_idx] = ssm
 
     @staticmethod
-    def gather(
-        config: ModelConfig, arrays: list[mx.array], slot_idx: mx.array, past: int
+    def split_states(
+        config: ModelConfig, stacked: list[mx.array]
     ) -> list[AttentionState | LinearState]:
-        """Per trunk layer, the state of the rows `slot_idx` (KV: the first `past` entries)."""
+        """Per trunk layer, views of the stacked state `read` returns."""
+        k, v, conv, ssm = stacked
         states: list[AttentionState | LinearState] = []
-        for i, recurrent in enumerate(config.recurrent):
-            a, b = arrays[2 * i], arrays[2 * i + 1]
+        ai = li = 0
+        for recurrent in config.recurrent:
             if recurrent:
-                states.append(LinearState(a[slot_idx], b[slot_idx]))
+                states.append(LinearState(conv[li], ssm[li]))
+                li += 1
             else:
-                states.append(AttentionState(a[slot_idx, :past], b[slot_idx, :past]))
+                states.append(AttentionState(k[ai], v[ai]))
+                ai += 1
         return states
 
     @staticmethod
-    def scatter(
-        config: ModelConfig,
-        arrays: list[mx.array],
-        slot_idx: mx.array,
-        tok_slot: mx.array,
-        tok_pos: mx.array,
-        layout: Layout,
-        new: list[AttentionState | LinearState],
-    ) -> list[mx.array]:
-        """The state arrays with the rows' new state written in (KV at `(tok_slot, tok_pos)`)."""
-        out = list(arrays)
-        for i, state in enumerate(new):
-            a, b = out[2 * i], out[2 * i + 1]
-            if isinstance(state, LinearState):
-                a[slot_idx] = state.conv
-                b[slot_idx] = state.ssm
-            else:
-                a[tok_slot, tok_pos] = layout.to_packed(state.k).astype(a.dtype)
-                b[tok_slot, tok_pos] = layout.to_packed(state.v).astype(b.dtype)
-        return out
+    def stack_states(layout: Layout, new: list[AttentionState | LinearState]) -> list[mx.array]:
+        """The layers' new state stacked for `write`: K/V packed `[La, N, Hkv, D]`, conv, ssm."""
+        attn = [s for s in new if isinstance(s, AttentionState)]
+        lin = [s for s in new if isinstance(s, LinearState)]
+        return [
+            mx.stack([layout.to_packed(s.k) for s in attn]),
+            mx.stack([layout.to_packed(s.v) for s in attn]),
+            mx.stack([s.conv for s in lin]),
+            mx.stack([s.ssm for s in lin]),
+        ]
 
     def commit(
         self,
@@ -269,7 +265,7 @@ class SlotPool:
         lengths: list[int],
         captures: list[LinearCapture | None],
     ) -> None:
-        """After a step's scatter: advance lengths, keep what capture rows left for rollback."""
+        """After a step's write: advance lengths, keep what capture rows left for rollback."""
         for slot in slots:
             self._captures.pop(slot, None)  # a capture is only good until the slot's next step
         linear = [c for c in captures if c is not None]
@@ -336,9 +332,8 @@ class SlotPool:
         if not 0 <= keep <= cap.length:
             raise SlotStateError(f"slot {slot}: keep={keep} outside 0..{cap.length}")
         Kc = self.config.conv_kernel
-        for li, (window, states) in enumerate(zip(cap.windows, cap.states, strict=True)):
-            self.conv[li][slot] = window[keep : keep + Kc - 1]
-            self.ssm[li][slot] = states[keep]
+        self.conv[:, slot] = mx.stack([w[keep : keep + Kc - 1] for w in cap.windows])
+        self.ssm[:, slot] = mx.stack([st[keep] for st in cap.states])
         self.lengths[slot] = cap.start + keep
         self.mtp_lengths[slot] = min(self.mtp_lengths[slot], self.lengths[slot])
         del self._captures[slot]
@@ -352,11 +347,10 @@ class SlotPool:
         self._check(src)
         self._check(dst)
         n = self.lengths[src]
-        for arrs in (self.k, self.v):
-            for a in arrs:
-                a[dst, :n] = a[src, :n]
-        for a in self.conv + self.ssm:
-            a[dst] = a[src]
+        for a in (self.k, self.v):
+            a[:, dst, :n] = a[:, src, :n]
+        for a in (self.conv, self.ssm):
+            a[:, dst] = a[:, src]
         m = self.mtp_lengths[src]
         if self.mtp_k is not None and self.mtp_v is not None:
             self.mtp_k[dst, :m] = self.mtp_k[src, :m]
@@ -366,6 +360,7 @@ class SlotPool:
 
     def snapshot(self, slot: SlotId) -> SlotSnapshot:
         self._check(slot)
+        La = self.k.shape[0]
         n, m = self.lengths[slot], self.mtp_lengths[slot]
         mtp = None
         if self.mtp_k is not None and self.mtp_v is not None:
@@ -373,10 +368,7 @@ class SlotPool:
         return SlotSnapshot(
             length=n,
             mtp_length=m,
-            kv=[
-                (np.array(k[slot, :n]), np.array(v[slot, :n]))
-                for k, v in zip(self.k, self.v, strict=True)
-            ],
+            kv=[(np.array(self.k[i, slot, :n]), np.array(self.v[i, slot, :n])) for i in range(La)],
             conv=[np.array(c[slot]) for c in self.conv],
             ssm=[np.array(s[slot]) for s in self.ssm],
             mtp_kv=mtp,
@@ -389,11 +381,13 @@ class SlotPool:
                 f"snapshot of {snap.length} tokens exceeds the context of {self.max_context}"
             )
         n = snap.length
-        for (k, v), K, V in zip(snap.kv, self.k, self.v, strict=True):
-            K[slot, :n] = mx.array(k)
-            V[slot, :n] = mx.array(v)
-        for src, dst in zip(snap.conv + snap.ssm, self.conv + self.ssm, strict=True):
-            dst[slot] = mx.array(src)
+        if len(snap.kv) != self.k.shape[0] or len(snap.conv) != self.conv.shape[0]:
+            raise SlotStateError("snapshot was taken from a pool of another model")
+        if n:
+            self.k[:, slot, :n] = mx.stack([mx.array(k) for k, _ in snap.kv])
+            self.v[:, slot, :n] = mx.stack([mx.array(v) for _, v in snap.kv])
+        self.conv[:, slot] = mx.array(np.stack(snap.conv))
+        self.ssm[:, slot] = mx.array(np.stack(snap.ssm))
         if snap.mtp_kv is not None and self.mtp_k is not None and self.mtp_v is not None:
             self.mtp_k[slot, : snap.mtp_length] = mx.array(snap.mtp_kv[0])
             self.mtp_v[slot, : snap.mtp_length] = mx.array(snap.mtp_kv[1])

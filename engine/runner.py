@@ -71,10 +71,11 @@ class ModelRunner:
     """Runs batches of rows of one model over one slot pool.
 
     Each distinct batch shape (rows, longest row, tokens, outputs, capture rows,
-    bucketed past length) gets its own `mx.compile`d forward — gather from the
-    pool, the model, scatter back, LM head — so a steady decode step is one
-    compiled graph instead of a thousand separate ops. `compile=False` runs the
-    very same function eagerly.
+    bucketed past length) gets its own `mx.compile`d forward — the model and the
+    LM head over the rows' stacked state — so a steady decode step is one
+    compiled graph instead of a thousand separate ops; the pool is read before it
+    and written after it with one gather and one scatter per state kind.
+    `compile=False` runs the very same function eagerly.
     """
 
     PAST_BUCKET = 64  # past KV lengths are rounded up to a multiple of this
@@ -87,6 +88,7 @@ class ModelRunner:
         self.compile = compile
         self._compiled: dict[tuple[object, ...], Callable[..., Any]] = {}
         self.last_host_s = 0.0
+        self.last_tokens = 0  # tokens of the last step, all rows together
 
     def step(self, batch: Sequence[Row]) -> StepOutput:
         t0 = time.perf_counter()
@@ -99,17 +101,16 @@ class ModelRunner:
         lengths = [len(r.tokens) for r in batch]
         capture = [r.capture for r in batch]
         self.pool.check_rows(slots, starts, lengths, capture)
+        self.last_tokens = sum(lengths)
 
         layout = Layout.build(lengths, starts, capture)
         past = min(self.pool.max_context, -(-max(starts) // self.PAST_BUCKET) * self.PAST_BUCKET)
         tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, lengths)
         offsets = [sum(lengths[:b]) for b in range(len(batch))]
         picked = [o + i for o, r in zip(offsets, batch, strict=True) for i in r.wanted]
+        slot_idx = mx.array(slots, dtype=mx.int32)
         inputs = [
             mx.array([t for r in batch for t in r.tokens], dtype=mx.int32),
-            mx.array(slots, dtype=mx.int32),
-            tok_slot,
-            tok_pos,
             mx.array(picked, dtype=mx.int32),
             *layout.arrays(),
         ]
@@ -122,11 +123,13 @@ class ModelRunner:
             past,
             int(tok_slot.shape[0]),
         )
-        fn = self._forward_fn(key, layout, past)
-        logits, hidden, arrays, captures = fn(inputs, self.pool.arrays())
-        self.pool.set_arrays(arrays)
+        fn = self._forward_fn(key, layout)
+        # The pool is read and written outside the compiled graph: eager scatters update
+        # it in place, while a compiled graph would copy every state array each step.
+        logits, hidden, new, captures = fn(inputs, self.pool.read(slot_idx, past))
+        self.pool.write(slot_idx, tok_slot, tok_pos, new)
         self.last_host_s = time.perf_counter() - t0  # building inputs and the graph
-        mx.eval(logits, hidden, arrays)
+        mx.eval(logits, hidden, self.pool.k, self.pool.v, self.pool.conv, self.pool.ssm)
         self.pool.commit(slots, starts, lengths, _unflatten_captures(self.model, layout, captures))
 
         out, at = StepOutput(), 0
@@ -138,23 +141,23 @@ class ModelRunner:
             at += n
         return out
 
-    def _forward_fn(self, key: tuple[object, ...], layout: Layout, past: int) -> Callable[..., Any]:
+    def _forward_fn(self, key: tuple[object, ...], layout: Layout) -> Callable[..., Any]:
         fn = self._compiled.get(key)
         if fn is not None:
             return fn
         model, config = self.model, self.model.config
 
         def forward(
-            inputs: list[mx.array], arrays: list[mx.array]
+            inputs: list[mx.array], stacked: list[mx.array]
         ) -> tuple[mx.array, mx.array, list[mx.array], list[mx.array]]:
-            tokens, slot_idx, tok_slot, tok_pos, picked, *layout_arrays = inputs
+            tokens, picked, *layout_arrays = inputs
             lay = layout.with_arrays(layout_arrays)
-            states = SlotPool.gather(config, arrays, slot_idx, past)
+            states = SlotPool.split_states(config, stacked)
             hidden, new_states, captures = model(tokens, lay, states)
-            arrays = SlotPool.scatter(config, arrays, slot_idx, tok_slot, tok_pos, lay, new_states)
             h = hidden[picked]
             flat = [a for c in captures if c is not None for a in (c.windows, c.states)]
-            return model.logits(h).astype(mx.float32), h, arrays, flat
+            new = SlotPool.stack_states(lay, new_states)
+            return model.logits(h).astype(mx.float32), h, new, flat
 
         fn = mx.compile(forward) if self.compile else forward
         self._compiled[key] = fn
