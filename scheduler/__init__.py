@@ -1,1 +1,74 @@
-"""scheduler"""
+"""The scheduler process's core: admission, continuous batching, the request lifecycle.
+
+Public API (what the transport layer uses):
+
+    scheduler = Scheduler(runner, tokenizer, SchedulerConfig(...))
+    async with scheduler.running():
+        handle = scheduler.submit(Request(prompt="...", max_tokens=64))  # or raises
+        async for event in handle:          # Delta ..., then one Finished
+            ...
+        scheduler.cancel(handle.request_id)
+        scheduler.stats()
+
+`submit` raises `InvalidRequest` (subclasses: EmptyPrompt, PromptTooLong,
+ParameterOutOfRange, UnknownTokenId, DuplicateRequestId) or `Rejected` (reason
+QUEUE_FULL with `retry_after_s`, NEVER_FITS, SHUTTING_DOWN).
+
+Reading order: request.py (what is asked) -> queue.py, admission.py (who gets a slot)
+-> loop.py (the loop) -> step.py (one batched step) -> sequence.py, stop.py (tokens to
+text) -> outcome.py, handle.py (what the caller receives).
+"""
+
+from scheduler.config import SchedulerConfig
+from scheduler.handle import Completion, RequestHandle
+from scheduler.loop import Scheduler
+from scheduler.outcome import (
+    Delta,
+    Event,
+    Finished,
+    FinishReason,
+    SpecStats,
+    Timings,
+    TokenLogprob,
+    Usage,
+)
+from scheduler.queue import Policy, Rejected, RejectReason
+from scheduler.request import (
+    DuplicateRequestId,
+    EmptyPrompt,
+    InvalidRequest,
+    ParameterOutOfRange,
+    PromptTooLong,
+    Request,
+    Speculation,
+    UnknownTokenId,
+)
+from scheduler.stats import SchedulerStats, StepTimes
+
+__all__ = [
+    "Completion",
+    "Delta",
+    "DuplicateRequestId",
+    "EmptyPrompt",
+    "Event",
+    "FinishReason",
+    "Finished",
+    "InvalidRequest",
+    "ParameterOutOfRange",
+    "Policy",
+    "PromptTooLong",
+    "RejectReason",
+    "Rejected",
+    "Request",
+    "RequestHandle",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerStats",
+    "SpecStats",
+    "Speculation",
+    "StepTimes",
+    "Timings",
+    "TokenLogprob",
+    "UnknownTokenId",
+    "Usage",
+]

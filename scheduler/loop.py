@@ -1,0 +1,402 @@
+"""The Scheduler: submit / cancel / stats for callers, and the loop that steps the model.
+
+Each turn of the loop, at a step boundary (no step in flight):
+1. end requests whose deadline passed; free the slots of ended ones;
+2. admit waiting requests in queue order while a slot and their memory are free
+   and the prompts already admitted leave room in the token budget;
+3. run ONE step on a worker thread (`anyio.to_thread.run_sync`): decode/verify rows
+   of every decoding request, then prefill chunks (`scheduler.step`);
+   meanwhile, on the loop, publish the previous step's tokens (detokenize, stop
+   strings, deltas), so host work overlaps the forward;
+4. commit the step's tokens (stop tokens, max_tokens) to decide who runs next.
+
+Every accepted request ends with exactly one `Finished` — on completion, cancel,
+deadline, fault, shutdown, or a crash of the loop itself. All methods are called from
+the event loop that runs `running()`; none of them is thread-safe.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from enum import Enum, auto
+
+import anyio
+import anyio.lowlevel
+from anyio.streams.memory import MemoryObjectSendStream
+
+from engine.cache import SlotId
+from engine.runner import ModelRunner
+from engine.sampling import RequestRng
+from engine.spec.speculator import DecodingSlot, Speculator
+from engine.tokenizer import Tokenizer
+from scheduler.admission import MemoryBudget
+from scheduler.config import SchedulerConfig
+from scheduler.handle import RequestHandle
+from scheduler.outcome import Event, FinishReason, TokenLogprob
+from scheduler.queue import Rejected, RejectReason, WaitQueue
+from scheduler.request import DuplicateRequestId, Request, Speculation, prepare
+from scheduler.sequence import Phase, Sequence
+from scheduler.stats import Counters, SchedulerStats
+from scheduler.step import Stepper, StepPlan, StepResult
+
+
+class _State(Enum):
+    NEW = auto()
+    RUNNING = auto()
+    STOPPING = auto()
+    STOPPED = auto()
+
+
+class Scheduler:
+    """Admits requests into the slots of one runner and steps them together.
+
+    `speculator`: the one that plans and resolves decode rows (default: a plain
+    `Speculator` with the pool's draft depth). Use as
+    `async with scheduler.running(): handle = scheduler.submit(request)`.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        config: SchedulerConfig | None = None,
+        speculator: Speculator | None = None,
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config = config or SchedulerConfig()
+        pool = runner.pool
+        self._stepper = Stepper(
+            runner, speculator or Speculator(runner, pool.max_draft), config.fault_hook
+        )
+        self._queue: WaitQueue[Sequence] = WaitQueue(
+            config.max_queue, config.policy, config.aging_per_s
+        )
+        self._budget = MemoryBudget(pool, config.memory_bytes)
+        self._seqs: dict[str, Sequence] = {}  # every request not yet finished
+        self._active: list[Sequence] = []  # admitted, holding a slot, in admission order
+        self._to_free: list[SlotId] = []  # slots of ended requests, freed in the next step
+        self._unpublished: list[Sequence] = []  # committed tokens to publish
+        self._ids = itertools.count()
+        self._counters = Counters()
+        self._state = _State.NEW
+        self._wakeup = anyio.Event()
+        self._stopped = anyio.Event()
+        self._grace_until = math.inf
+        self._limiter = anyio.CapacityLimiter(1)
+
+    # -- the caller's API ---------------------------------------------------------------------
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[Scheduler]:
+        """Run the loop for the body of the `async with`; on exit, shut down gracefully
+        (`shutdown`). A Scheduler runs once."""
+        if self._state != _State.NEW:
+            raise RuntimeError("this Scheduler has already run")
+        self._state = _State.RUNNING
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._serve)
+            try:
+                yield self
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self.shutdown()
+
+    def submit(self, request: Request) -> RequestHandle:
+        """Validate and queue `request`; returns its handle at once.
+
+        Raises `InvalidRequest` (a subclass names the problem) or `Rejected` (queue full
+        with `retry_after_s`, never fits the memory budget, or shutting down).
+        """
+        if self._state != _State.RUNNING:
+            self._counters.rejected += 1
+            raise Rejected(RejectReason.SHUTTING_DOWN, "the scheduler is not accepting requests")
+        rid = request.request_id if request.request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._seqs:
+            raise DuplicateRequestId(f"request_id {rid!r} is already in flight")
+        pool = self.runner.pool
+        prepared = prepare(request, rid, self.tokenizer, pool.config.n_vocab, pool.max_context)
+        speculate = Speculation(request.speculation) != Speculation.OFF
+        k = self._stepper.speculator.max_draft if speculate else 0
+        nbytes = self._budget.price(len(prepared.prompt), prepared.max_tokens, k)
+        if self._budget.never_fits(nbytes):
+            self._counters.rejected += 1
+            raise Rejected(
+                RejectReason.NEVER_FITS,
+                f"the request needs {nbytes} bytes; the whole budget is "
+                f"{self._budget.budget_bytes} (lower max_tokens)",
+            )
+        send, receive = anyio.create_memory_object_stream[Event](math.inf)
+        seq = Sequence(
+            prepared,
+            send,
+            self.tokenizer,
+            submitted_at=time.monotonic(),
+            reserved_bytes=nbytes,
+            rng=RequestRng(request.sampling.seed),
+        )
+        try:
+            self._queue.push(seq, request.priority, seq.submitted_at)
+        except Rejected:
+            self._counters.rejected += 1
+            send.close()
+            receive.close()
+            raise
+        self._seqs[rid] = seq
+        self._counters.submitted += 1
+        self._wakeup.set()
+        return RequestHandle(rid, len(prepared.prompt), receive, self.cancel)
+
+    def cancel(self, request_id: str) -> bool:
+        """End the request now with CANCELLED (its slot is freed at the next step
+        boundary); False if no such request is in flight."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return False
+        self._finish(seq, FinishReason.CANCELLED)
+        self._wakeup.set()
+        return True
+
+    async def shutdown(self, grace_s: float | None = None) -> None:
+        """Stop admitting; waiting requests end with SHUTDOWN at once, running ones may
+        finish within `grace_s` (default: the config's) and end with SHUTDOWN after it.
+        Returns when the loop has stopped."""
+        if self._state == _State.NEW:
+            self._state = _State.STOPPED
+            return
+        if self._state == _State.RUNNING:
+            self._state = _State.STOPPING
+            grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+            self._grace_until = time.monotonic() + grace
+            for seq in self._queue.drain():
+                self._finish(seq, FinishReason.SHUTDOWN)
+            self._wakeup.set()
+        await self._stopped.wait()
+
+    def stats(self) -> SchedulerStats:
+        """A snapshot of the scheduler's state and counters since it started."""
+        c = self._counters
+        return SchedulerStats(
+            waiting=len(self._queue),
+            running=len(self._active),
+            free_slots=self.runner.pool.n_slots - self._budget.slots_in_use,
+            reserved_bytes=self._budget.reserved_bytes,
+            budget_bytes=self._budget.budget_bytes,
+            submitted=c.submitted,
+            rejected=c.rejected,
+            finished=dict(c.finished),
+            prompt_tokens=c.prompt_tokens,
+            generated_tokens=c.generated_tokens,
+            times=replace(c.times),
+        )
+
+    # -- the loop --------------------------------------------------------------------------------
+    async def _serve(self) -> None:
+        crash: str | None = None
+        try:
+            boundary = time.perf_counter()
+            while True:
+                now = time.monotonic()
+                self._expire(now)
+                self._reap()
+                plan = self._plan(now)
+                if plan is None:
+                    self._publish()
+                    if self._state == _State.STOPPING and not self._active:
+                        break
+                    await self._idle()
+                    boundary = time.perf_counter()
+                    continue
+                t0 = time.perf_counter()
+                result = await self._step(plan)
+                t1 = time.perf_counter()
+                self._commit(result)
+                t2 = time.perf_counter()
+                self._count(result, schedule_s=(t0 - boundary) + (t2 - t1), wall_s=t2 - boundary)
+                boundary = t2
+        except Exception as e:
+            crash = f"the scheduler loop failed: {type(e).__name__}: {e}"
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._close(crash)
+
+    async def _idle(self) -> None:
+        """Nothing to run: wait for a submit, cancel or shutdown. No await lies between
+        `_plan` and here, so no wake-up can be missed."""
+        self._wakeup = anyio.Event()
+        await self._wakeup.wait()
+
+    async def _step(self, plan: StepPlan) -> StepResult:
+        """Run `plan` on the step thread and, while it computes, publish the last step."""
+        started = threading.Event()
+        box: list[StepResult] = []
+
+        async def run() -> None:
+            box.append(
+                await anyio.to_thread.run_sync(
+                    self._stepper.run, plan, started, limiter=self._limiter
+                )
+            )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            # Publishing holds the GIL: start it once the step thread is computing.
+            while not started.is_set():
+                await anyio.lowlevel.checkpoint()
+            self._publish()
+        return box[0]
+
+    async def _close(self, crash: str | None) -> None:
+        """The loop ended: end everything (SHUTDOWN, or ERROR after a `crash`), free
+        every slot."""
+        self._state = _State.STOPPED
+        reason = FinishReason.SHUTDOWN if crash is None else FinishReason.ERROR
+        try:
+            self._publish()
+            for seq in list(self._seqs.values()):
+                self._finish(seq, reason, crash)
+            self._reap()
+            slots, self._to_free = self._to_free, []
+            await anyio.to_thread.run_sync(self._stepper.release, slots, limiter=self._limiter)
+        finally:
+            self._stopped.set()
+
+    def _expire(self, now: float) -> None:
+        for seq in list(self._seqs.values()):
+            deadline = seq.prepared.request.deadline_s
+            if deadline is not None and now - seq.submitted_at >= deadline:
+                self._finish(seq, FinishReason.DEADLINE)
+        if self._state == _State.STOPPING and now >= self._grace_until:
+            for seq in list(self._seqs.values()):
+                self._finish(seq, FinishReason.SHUTDOWN)
+
+    def _reap(self) -> None:
+        """Give back the slot and memory of every admitted request that has ended."""
+        keep = []
+        for seq in self._active:
+            if seq.live:
+                keep.append(seq)
+                continue
+            self._budget.release(seq.reserved_bytes)
+            if seq.slot is not None:
+                self._to_free.append(seq.slot)
+        self._active = keep
+
+    def _plan(self, now: float) -> StepPlan | None:
+        admitted = self._admit(now)
+        decoding = [s for s in self._active if s.phase == Phase.DECODE]
+        prefilling = [s for s in self._active if s.phase == Phase.PREFILL]
+        if not decoding and not prefilling:
+            return None
+        free, self._to_free = self._to_free, []
+        cfg = self.config
+        return StepPlan(
+            free, admitted, decoding, prefilling, cfg.max_batch_tokens, cfg.max_prefill_chunk
+        )
+
+    def _admit(self, now: float) -> list[Sequence]:
+        """Move waiting requests into slots, best first, while they fit. The head of the
+        queue is never skipped for a smaller request behind it (no starvation)."""
+        backlog = sum(len(s.prompt) - s.prefilled for s in self._active if s.phase == Phase.PREFILL)
+        admitted: list[Sequence] = []
+        while self._state == _State.RUNNING and backlog < self.config.max_batch_tokens:
+            head = self._queue.peek()
+            if head is None or not self._budget.fits(head.reserved_bytes):
+                break
+            self._queue.pop(now)
+            self._budget.reserve(head.reserved_bytes)
+            head.phase, head.admitted_at = Phase.PREFILL, now
+            self._active.append(head)
+            admitted.append(head)
+            backlog += len(head.prompt)
+        return admitted
+
+    def _commit(self, result: StepResult) -> None:
+        """Apply a step's outcome: failures end their requests; tokens are committed."""
+        for seq, error in result.failed:
+            self._finish(seq, FinishReason.ERROR, error)
+        for chunk in result.chunks:
+            if chunk.seq.live:
+                chunk.seq.prefilled += len(chunk.tokens)
+                self._counters.prompt_tokens += len(chunk.tokens)
+        for seq, token, logprobs in result.first:
+            if not seq.live:
+                continue
+            assert seq.slot is not None
+            request = seq.prepared.request
+            seq.phase = Phase.DECODE
+            seq.decoding = DecodingSlot(
+                seq.slot, token, list(seq.prompt), request.sampling, seq.rng, request.speculation
+            )
+            self._take(seq, [token], logprobs)
+        for seq, committed, logprobs in result.decoded:
+            if seq.live:
+                seq.count_speculation(committed)
+                self._take(seq, committed.tokens, logprobs)
+
+    def _take(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob]) -> None:
+        before = seq.committed
+        seq.commit(tokens, logprobs)
+        self._counters.generated_tokens += seq.committed - before
+        self._unpublished.append(seq)
+
+    def _publish(self) -> None:
+        """Send the committed tokens of the last step as Deltas (and Finished where the
+        tokens ended the request)."""
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        todo, self._unpublished = self._unpublished, []
+        for seq in todo:
+            if seq.phase == Phase.DONE:
+                continue
+            try:
+                delta = seq.take_delta(now)
+            except Exception as e:  # e.g. a token the tokenizer cannot print
+                self._finish(seq, FinishReason.ERROR, f"{type(e).__name__}: {e}")
+                continue
+            if delta is not None and not self._send(seq.events, delta):
+                self._finish(seq, FinishReason.CANCELLED)
+            elif seq.ending is not None:
+                self._finish(seq, seq.ending)
+        self._counters.times.publish_s += time.perf_counter() - t0
+
+    def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        """Send the request's last text and its Finished; the slot is freed by `_reap`.
+        Tokens that ended the request themselves (a stop, max_tokens) name the reason."""
+        if seq.phase == Phase.DONE:
+            return
+        if seq.phase == Phase.WAITING:
+            self._queue.remove(seq)
+        now = time.monotonic()
+        delta = seq.take_delta(now, final=True)
+        if delta is not None:
+            self._send(seq.events, delta)
+        final = seq.finished(reason if seq.ending is None else seq.ending, now, error)
+        self._send(seq.events, final)
+        seq.events.close()
+        del self._seqs[seq.id]
+        self._counters.finished[final.reason] += 1
+
+    @staticmethod
+    def _send(events: MemoryObjectSendStream[Event], event: Event) -> bool:
+        """False when the consumer has closed its handle."""
+        try:
+            events.send_nowait(event)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return False
+        return True
+
+    def _count(self, result: StepResult, schedule_s: float, wall_s: float) -> None:
+        t = self._counters.times
+        t.steps += 1
+        t.wall_s += wall_s
+        t.forward_s += result.forward_s
+        t.draft_s += result.draft_s
+        t.sample_s += result.sample_s
+        t.schedule_s += schedule_s

@@ -1,0 +1,174 @@
+"""One request's life inside the scheduler: slot, progress, output, text, timings.
+
+A `Sequence` moves WAITING -> PREFILL -> DECODE and ends DONE. Tokens arrive in two
+beats: `commit` (right after the step, on the token ids alone: stop tokens,
+max_tokens) decides whether the sequence runs in the next step; `take_delta`
+(possibly while the next step already runs) turns them into text, applies stop
+strings and builds the `Delta`. Only the event loop touches a Sequence, except
+`decoding`, `slot` and `prefilled`, which the step thread reads (and `slot`, which
+it sets on admission) while the loop waits for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+from anyio.streams.memory import MemoryObjectSendStream
+
+from engine.cache import SlotId
+from engine.sampling import RequestRng
+from engine.spec.speculator import Committed, DecodingSlot
+from engine.tokenizer import Tokenizer
+from scheduler.outcome import (
+    Delta,
+    Event,
+    Finished,
+    FinishReason,
+    SpecStats,
+    Timings,
+    TokenLogprob,
+    Usage,
+)
+from scheduler.request import Prepared
+from scheduler.stop import StopMatcher
+
+
+class Phase(Enum):
+    WAITING = auto()
+    PREFILL = auto()
+    DECODE = auto()
+    DONE = auto()
+
+
+@dataclass(eq=False)
+class Sequence:
+    prepared: Prepared
+    events: MemoryObjectSendStream[Event]
+    tokenizer: Tokenizer
+    submitted_at: float
+    reserved_bytes: int
+    rng: RequestRng
+    phase: Phase = Phase.WAITING
+    slot: SlotId | None = None
+    prefilled: int = 0  # prompt tokens already in the slot
+    decoding: DecodingSlot | None = None
+    output: list[int] = field(default_factory=list)  # committed tokens, as published
+    ending: FinishReason | None = None  # decided by the tokens; published after them
+    matched_stop: str | int | None = None
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    itl_max_s: float = 0.0
+    spec: SpecStats = field(default_factory=SpecStats)
+    _unpublished: list[int] = field(default_factory=list)
+    _logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.detok = self.tokenizer.detokenizer()
+        self.stops = StopMatcher(self.prepared.request.stop)
+
+    @property
+    def id(self) -> str:
+        return self.prepared.request_id
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.prepared.prompt
+
+    @property
+    def live(self) -> bool:
+        """Still running: neither ended by its tokens nor finished."""
+        return self.phase != Phase.DONE and self.ending is None
+
+    @property
+    def committed(self) -> int:
+        return len(self.output) + len(self._unpublished)
+
+    def commit(self, tokens: list[int], logprobs: list[TokenLogprob]) -> None:
+        """Take a step's tokens: stop at a stop token or at max_tokens (dropping the rest),
+        and advance the decode state when the sequence goes on."""
+        kept: list[int] = []
+        for t in tokens:
+            if self.committed + len(kept) >= self.prepared.max_tokens:
+                break
+            kept.append(t)
+            if t in self.prepared.stop_ids:
+                self.ending, self.matched_stop = FinishReason.STOP, t
+                break
+        if self.ending is None and self.committed + len(kept) >= self.prepared.max_tokens:
+            self.ending = FinishReason.LENGTH
+        self._unpublished += kept
+        self._logprobs += logprobs[: len(kept)]
+        if self.decoding is not None and self.ending is None:
+            self.decoding.history.extend(kept)
+            self.decoding.pending = kept[-1]
+
+    def count_speculation(self, c: Committed) -> None:
+        s = self.spec
+        self.spec = SpecStats(
+            drafted=s.drafted + c.drafted,
+            accepted=s.accepted + c.accepted,
+            verify_steps=s.verify_steps + (c.drafted > 0),
+            decode_steps=s.decode_steps + 1,
+        )
+
+    def take_delta(self, now: float, final: bool = False) -> Delta | None:
+        """The committed, unpublished tokens as a Delta (None if there is nothing new).
+
+        Stop tokens print nothing; a stop string that completes ends the sequence
+        (`ending`) and drops the tokens after the one that completed it. When the
+        sequence ends (`ending` set, or `final`) other than by a stop string, the
+        held-back text is released.
+        """
+        tokens, lps = self._unpublished, self._logprobs
+        self._unpublished, self._logprobs = [], []
+        text, n = [], 0
+        for t in tokens:
+            n += 1
+            if t in self.prepared.stop_ids:
+                continue
+            safe, stop = self.stops.push(self.detok.push(t))
+            text.append(safe)
+            if stop is not None:
+                self.ending, self.matched_stop = FinishReason.STOP, stop
+                break
+        if (final or self.ending is not None) and not isinstance(self.matched_stop, str):
+            safe, stop = self.stops.push(self.detok.flush())
+            text.append(safe if stop is not None else safe + self.stops.flush())
+            if stop is not None:
+                self.ending, self.matched_stop = FinishReason.STOP, stop
+        tokens, lps = tokens[:n], lps[:n]
+        if tokens:
+            if self.first_token_at is None:
+                self.first_token_at = now
+            elif self.last_token_at is not None:
+                self.itl_max_s = max(self.itl_max_s, now - self.last_token_at)
+            self.last_token_at = now
+            self.output += tokens
+        joined = "".join(text)
+        if not tokens and not joined:
+            return None
+        return Delta(self.id, tuple(tokens), joined, tuple(lps))
+
+    def finished(self, reason: FinishReason, now: float, error: str | None = None) -> Finished:
+        """The terminal event; the sequence is DONE afterwards."""
+        self.phase = Phase.DONE
+        first, last, n = self.first_token_at, self.last_token_at, len(self.output)
+        t0 = self.submitted_at
+        itl = (last - first) / (n - 1) if first is not None and last is not None and n > 1 else None
+        return Finished(
+            request_id=self.id,
+            reason=reason,
+            usage=Usage(len(self.prompt), n),
+            timings=Timings(
+                queued_s=(self.admitted_at if self.admitted_at is not None else now) - t0,
+                ttft_s=None if first is None else first - t0,
+                itl_mean_s=itl,
+                itl_max_s=self.itl_max_s if n > 1 else None,
+                total_s=now - t0,
+            ),
+            spec=self.spec,
+            matched_stop=self.matched_stop if reason == FinishReason.STOP else None,
+            error=error,
+        )

@@ -1,0 +1,52 @@
+"""Counters the scheduler keeps, and the snapshot `Scheduler.stats()` returns."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from scheduler.outcome import FinishReason
+
+
+@dataclass
+class StepTimes:
+    """Seconds summed over steps. `wall_s` runs from one step boundary to the next;
+    `forward_s` is inside `runner.step`. Host overhead is the rest of the wall time."""
+
+    steps: int = 0
+    wall_s: float = 0.0
+    forward_s: float = 0.0
+    draft_s: float = 0.0  # speculator.plan
+    sample_s: float = 0.0  # resolve, first tokens, logprobs (step thread)
+    schedule_s: float = 0.0  # deadlines, reaping, admission, plan, commit (event loop)
+    publish_s: float = 0.0  # detokenize, stop strings, deltas (overlaps the next forward)
+
+    @property
+    def host_share(self) -> float:
+        """Share of step wall time outside the forward."""
+        return 1.0 - self.forward_s / self.wall_s if self.wall_s else 0.0
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    waiting: int
+    running: int
+    free_slots: int
+    reserved_bytes: int
+    budget_bytes: int
+    submitted: int
+    rejected: int
+    finished: dict[FinishReason, int]
+    prompt_tokens: int  # prompt tokens prefilled
+    generated_tokens: int  # tokens committed to requests
+    times: StepTimes = field(default_factory=StepTimes)
+
+
+@dataclass
+class Counters:
+    submitted: int = 0
+    rejected: int = 0
+    finished: Counter[FinishReason] = field(default_factory=Counter)
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    times: StepTimes = field(default_factory=StepTimes)

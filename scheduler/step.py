@@ -1,0 +1,290 @@
+"""One step on the step thread: every MLX call of the scheduler happens here.
+
+`Stepper.run(plan)` frees and allocates slots, asks the Speculator for the decode
+(and verify) rows, fills the rest of the token budget with prefill chunks, runs ONE
+`runner.step` for all of them, resolves the decode rows, samples the first token of
+every prompt that completed, and reads log-probabilities back to the host.
+
+MLX evaluates a lazy graph only on the thread that built it ("There is no
+Stream(cpu, 0) in current thread"), and `anyio.to_thread` may hand successive steps
+to different worker threads. So no MLX work happens on the event loop, every step
+leaves the pool and the Speculator evaluated (`_settle`), and the model's weights —
+which the loader builds lazily — are evaluated once when the Stepper is made
+(`materialize`).
+
+Faults: the runner raises `BatchError` / `PoolError` before changing anything, so on
+those the rows are bisected and re-run to find the rows at fault; only their
+requests fail. Any other exception leaves the state of the forward's slots unknown:
+all its requests fail. Either way the step returns normally and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from engine.cache import PoolError, SlotId
+from engine.runner import BatchError, ModelRunner, Row, RowOutput
+from engine.sampling import top_logprobs
+from engine.spec.speculator import Committed, DecodingSlot, Speculator, sample_rows
+from scheduler.outcome import TokenLogprob
+from scheduler.sequence import Sequence as Seq
+
+FaultHook = Callable[[list[str]], None]
+"""Test-only: called on the step thread with the request ids of each forward before it
+runs; what it raises is handled as a fault of that forward (see the module docstring)."""
+
+UNCHANGED = (BatchError, PoolError)
+"""Exceptions after which the runner guarantees the pool is unchanged."""
+
+
+@dataclass
+class Chunk:
+    """Prompt tokens `seq.prompt[start : start + len(tokens)]` fed this step."""
+
+    seq: Seq
+    tokens: list[int]
+    start: int
+
+    @property
+    def completes(self) -> bool:
+        return self.start + len(self.tokens) == len(self.seq.prompt)
+
+
+@dataclass
+class StepPlan:
+    """What the loop decided: slots to free, sequences to give a slot, who runs."""
+
+    free: list[SlotId]
+    admit: list[Seq]
+    decoding: list[Seq]
+    prefilling: list[Seq]  # in admission order: earlier ones get their chunks first
+    token_budget: int
+    max_chunk: int
+
+
+@dataclass
+class StepResult:
+    chunks: list[Chunk] = field(default_factory=list)
+    first: list[tuple[Seq, int, list[TokenLogprob]]] = field(default_factory=list)
+    decoded: list[tuple[Seq, Committed, list[TokenLogprob]]] = field(default_factory=list)
+    failed: list[tuple[Seq, str]] = field(default_factory=list)
+    draft_s: float = 0.0  # speculator.plan: drafting and row building
+    forward_s: float = 0.0  # runner.step (bisection included)
+    sample_s: float = 0.0  # resolve, first tokens, log-probabilities
+
+
+def prefill_chunks(prefilling: Sequence[Seq], budget: int, max_chunk: int) -> list[Chunk]:
+    """Chunks for the prompts still prefilling, in order, at most `max_chunk` tokens each,
+    `budget` tokens in all (several prompts share a step)."""
+    chunks = []
+    for seq in prefilling:
+        n = min(len(seq.prompt) - seq.prefilled, max_chunk, budget)
+        if n <= 0:
+            break
+        chunks.append(Chunk(seq, seq.prompt[seq.prefilled : seq.prefilled + n], seq.prefilled))
+        budget -= n
+    return chunks
+
+
+def materialize(obj: object, skip: object = None) -> None:
+    """Evaluate every MLX array reachable from `obj` through attributes of engine objects,
+    lists, tuples and dicts, not looking inside `skip` (see the module docstring)."""
+    found: list[mx.array] = []
+    seen: set[int] = {id(skip)}
+    todo: list[Any] = [obj]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, mx.array):
+            found.append(x)
+        elif isinstance(x, list | tuple):
+            todo.extend(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif type(x).__module__.startswith("engine.") and hasattr(x, "__dict__"):
+            todo.extend(vars(x).values())
+    mx.eval(found)
+
+
+class Stepper:
+    """Runs `StepPlan`s on the step thread (one at a time)."""
+
+    def __init__(
+        self, runner: ModelRunner, speculator: Speculator, fault_hook: FaultHook | None = None
+    ) -> None:
+        if speculator.runner is not runner:
+            raise ValueError("the Speculator must drive the scheduler's own runner")
+        self.runner = runner
+        self.speculator = speculator
+        self.fault_hook = fault_hook
+        materialize(speculator)  # its runner's model and pool, its drafters
+
+    def run(self, plan: StepPlan, started: threading.Event | None = None) -> StepResult:
+        """Execute one step. Never raises: failures are reported per sequence."""
+        if started is not None:
+            started.set()
+        result = StepResult()
+        try:
+            self._run(plan, result)
+            self._settle()
+        except Exception as e:  # a fault outside any forward: the step's requests fail
+            done = {id(s) for s, _ in result.failed}
+            everyone = plan.admit + plan.decoding + plan.prefilling
+            result.failed += [(s, _describe(e)) for s in everyone if id(s) not in done]
+        return result
+
+    def release(self, slots: list[SlotId]) -> None:
+        """Return slots to the pool (and tell the Speculator, if it keeps per-slot state)."""
+        forget = getattr(self.speculator, "release", None)
+        for slot in slots:
+            self.runner.pool.free(slot)
+            if forget is not None:
+                forget(slot)
+
+    def _run(self, plan: StepPlan, result: StepResult) -> None:
+        self.release(plan.free)
+        pool = self.runner.pool
+        for seq in plan.admit:
+            seq.slot = pool.allocate()
+
+        t0 = time.perf_counter()
+        decoding = list(plan.decoding)
+        try:
+            rows = self.speculator.plan([_decoding(s) for s in decoding])
+        except Exception as e:
+            result.failed += [(s, _describe(e)) for s in decoding]
+            decoding, rows = [], []
+        budget = plan.token_budget - sum(len(r.tokens) for r in rows)
+        chunks = prefill_chunks(plan.prefilling, budget, plan.max_chunk)
+        entries = [(c.seq, self._prefill_row(c)) for c in chunks]
+        entries += list(zip(decoding, rows, strict=True))
+        if not entries:
+            return
+        t1 = time.perf_counter()
+        outputs = self._forward(entries, result)
+        t2 = time.perf_counter()
+        result.draft_s, result.forward_s = t1 - t0, t2 - t1
+
+        result.chunks = [c for i, c in enumerate(chunks) if i in outputs]
+        ran = [(c.seq, entries[i][1], outputs[i]) for i, c in enumerate(chunks) if i in outputs]
+        self._prefilled(ran, result)
+        done = [(c.seq, outputs[i]) for i, c in enumerate(chunks) if i in outputs and c.completes]
+        base = len(chunks)
+        ok = [i for i in range(len(decoding)) if base + i in outputs]
+        self._resolve([decoding[i] for i in ok], [outputs[base + i] for i in ok], result)
+        self._sample_first(done, result)
+        result.sample_s = time.perf_counter() - t2
+
+    def _prefill_row(self, chunk: Chunk) -> Row:
+        """The chunk's row, shaped by the Speculator when it follows prefills (`prefill_row`:
+        drafters with state, like the MTP head, may want every position's hidden state)."""
+        slot = _slot(chunk.seq)
+        shape = getattr(self.speculator, "prefill_row", None)
+        if shape is None:
+            return Row(slot, chunk.tokens, chunk.start)
+        row: Row = shape(slot, chunk.tokens, chunk.start, chunk.seq.prepared.request.speculation)
+        return row
+
+    def _prefilled(self, done: list[tuple[Seq, Row, RowOutput]], result: StepResult) -> None:
+        """Report prefill rows that ran to the Speculator (`prefilled`), if it follows them."""
+        report = getattr(self.speculator, "prefilled", None)
+        if report is None:
+            return
+        for seq, row, output in done:
+            try:
+                report(row, output)
+            except Exception as e:
+                result.failed.append((seq, _describe(e)))
+
+    def _forward(
+        self, entries: list[tuple[Seq, Row]], result: StepResult, offset: int = 0
+    ) -> dict[int, RowOutput]:
+        """Outputs by entry index (+ `offset`); failed entries are added to `result`."""
+        try:
+            if self.fault_hook is not None:
+                self.fault_hook([s.id for s, _ in entries])
+            out = self.runner.step([row for _, row in entries])
+        except UNCHANGED as e:
+            if len(entries) == 1:
+                result.failed.append((entries[0][0], _describe(e)))
+                return {}
+            half = len(entries) // 2
+            left = self._forward(entries[:half], result, offset)
+            return left | self._forward(entries[half:], result, offset + half)
+        except Exception as e:
+            result.failed += [(s, _describe(e)) for s, _ in entries]
+            return {}
+        return {offset + i: o for i, o in enumerate(out.rows)}
+
+    def _resolve(self, seqs: list[Seq], outputs: list[RowOutput], result: StepResult) -> None:
+        if not seqs:
+            return
+        try:
+            committed = self.speculator.resolve([_decoding(s) for s in seqs], outputs)
+            for seq, c in zip(seqs, committed, strict=True):
+                result.decoded.append((seq, c, _logprobs(c.logits, c.tokens, seq)))
+        except Exception as e:
+            result.failed += [(s, _describe(e)) for s in seqs]
+
+    def _sample_first(self, done: list[tuple[Seq, RowOutput]], result: StepResult) -> None:
+        """The first token of each completed prompt, sampled from its last position."""
+        if not done:
+            return
+        seqs = [s for s, _ in done]
+        try:
+            logits = mx.concatenate([o.logits[-1:] for _, o in done], axis=0)
+            params = [s.prepared.request.sampling for s in seqs]
+            tokens, adjusted = sample_rows(
+                logits, params, [s.prompt for s in seqs], [s.rng for s in seqs]
+            )
+            for i, (seq, tok) in enumerate(zip(seqs, tokens, strict=True)):
+                result.first.append((seq, tok, _logprobs([adjusted[i]], [tok], seq)))
+        except Exception as e:
+            result.failed += [(s, _describe(e)) for s in seqs]
+
+    def _settle(self) -> None:
+        """Leave nothing lazy: the pool (captures included) and the drafters' state may be
+        evaluated on another thread next step. The weights were evaluated once."""
+        materialize(self.speculator, skip=self.runner.model)
+
+
+def _logprobs(logits: list[mx.array], tokens: list[int], seq: Seq) -> list[TokenLogprob]:
+    n = seq.prepared.request.sampling.logprobs
+    if n == 0:
+        return []
+    if len(logits) != len(tokens):
+        raise ValueError(f"{len(tokens)} tokens committed with {len(logits)} logit rows")
+    lp, ids, vals = top_logprobs(mx.stack(logits), n)
+    chosen = np.array(lp[mx.arange(len(tokens)), mx.array(tokens)])
+    top_ids, top_vals = np.array(ids), np.array(vals)
+    return [
+        TokenLogprob(
+            t,
+            float(chosen[j]),
+            tuple(zip(top_ids[j].tolist(), top_vals[j].tolist(), strict=True)),
+        )
+        for j, t in enumerate(tokens)
+    ]
+
+
+def _decoding(seq: Seq) -> DecodingSlot:
+    assert seq.decoding is not None, f"{seq.id} decodes without a decode state"
+    return seq.decoding
+
+
+def _slot(seq: Seq) -> SlotId:
+    assert seq.slot is not None, f"{seq.id} runs without a slot"
+    return seq.slot
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"

@@ -1,0 +1,513 @@
+"""The scheduler end to end on a real tiny model: batching, admission, lifecycle, faults.
+
+Each test runs a fresh Scheduler over a fresh pool; "solo" means the same request
+through a one-slot scheduler on its own (N = 1 runs the same path as N > 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from threading import get_ident
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import mlx.core as mx
+import pytest
+
+from engine.cache import SlotPool
+from engine.generate import greedy_tokens
+from engine.gguf import GGUFFile
+from engine.models.qwen35 import Model, load_model
+from engine.runner import BatchError, ModelRunner
+from engine.sampling import SamplingParams
+from engine.spec.speculator import Speculator
+from engine.tokenizer import Tokenizer
+from scheduler import (
+    Completion,
+    Delta,
+    DuplicateRequestId,
+    Event,
+    Finished,
+    FinishReason,
+    Policy,
+    Rejected,
+    RejectReason,
+    Request,
+    RequestHandle,
+    Scheduler,
+    SchedulerConfig,
+    Speculation,
+)
+
+GREEDY = SamplingParams(temperature=0.0)
+CONTEXT = 160
+MAX_DRAFT = 2
+
+
+@pytest.fixture(scope="module")
+def model(make_model: Callable[..., Path]) -> Model:
+    return load_model(make_model("tiny"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(make_model: Callable[..., Path]) -> Tokenizer:
+    return Tokenizer.from_metadata(GGUFFile(make_model("tiny")).metadata)
+
+
+@pytest.fixture
+def new(model: Model, tokenizer: Tokenizer) -> Iterator[Callable[..., Scheduler]]:
+    """`new(n_slots=4, speculate=False, **config)`: a Scheduler over a fresh pool; every
+    pool made must have all its slots free again when the test ends."""
+    pools: list[SlotPool] = []
+
+    def make(n_slots: int = 4, speculate: bool = False, **config: Any) -> Scheduler:
+        pool = SlotPool(model.config, n_slots, CONTEXT, kv_dtype=mx.float32, max_draft=MAX_DRAFT)
+        pools.append(pool)
+        runner = ModelRunner(model, pool)
+        spec = Speculator(runner, MAX_DRAFT if speculate else 0)
+        return Scheduler(runner, tokenizer, SchedulerConfig(**config), spec)
+
+    yield make
+    for pool in pools:
+        assert pool.free_slots == pool.n_slots, "a slot was not freed"
+
+
+async def events_of(handle: RequestHandle) -> list[Event]:
+    """All events of a handle, checked: Deltas, then exactly one Finished, then the end."""
+    events = [e async for e in handle]
+    assert events and isinstance(events[-1], Finished), events[-1:]
+    assert all(isinstance(e, Delta) for e in events[:-1])
+    return events
+
+
+def completion(events: list[Event]) -> Completion:
+    deltas = [e for e in events if isinstance(e, Delta)]
+    final = events[-1]
+    assert isinstance(final, Finished)
+    return Completion(
+        [t for d in deltas for t in d.token_ids],
+        "".join(d.text for d in deltas),
+        [lp for d in deltas for lp in d.logprobs],
+        final,
+    )
+
+
+async def alone(new: Callable[..., Scheduler], request: Request, **kw: Any) -> Completion:
+    scheduler = new(n_slots=1, **kw)
+    async with scheduler.running():
+        return completion(await events_of(scheduler.submit(request)))
+
+
+def prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(0, 500) for _ in range(n)]
+
+
+def same_output(a: Completion, b: Completion) -> None:
+    assert a.token_ids == b.token_ids
+    assert a.text == b.text
+    assert a.finished.reason == b.finished.reason
+
+
+# -- batching -----------------------------------------------------------------------------------
+
+
+def mixed_requests(n: int, seed: int = 0) -> list[Request]:
+    """Mixed lengths and parameters: greedy, penalized, biased, seeded sampling, stops."""
+    rng = random.Random(seed)
+    kinds = [
+        GREEDY,
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, logit_bias=((7, 5.0),), logprobs=3),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7),
+        SamplingParams(temperature=1.2, top_k=20, min_p=0.05, seed=11),
+    ]
+    return [
+        Request(
+            prompt=prompt(rng, rng.randrange(3, 48)),
+            sampling=kinds[i % len(kinds)],
+            max_tokens=rng.randrange(4, 24),
+            stop=("e",) if i % 7 == 3 else (),
+            ignore_eos=i % 3 == 0,
+            request_id=f"r{i}",
+        )
+        for i in range(n)
+    ]
+
+
+async def test_32_staggered_requests_complete_and_each_matches_its_solo_run(
+    new: Callable[..., Scheduler],
+) -> None:
+    requests = mixed_requests(32)
+    scheduler = new(n_slots=8, max_batch_tokens=96, max_prefill_chunk=32)
+    results: dict[str, Completion] = {}
+
+    async def one(request: Request, delay: float) -> None:
+        await anyio.sleep(delay)
+        results[request.request_id or ""] = completion(await events_of(scheduler.submit(request)))
+
+    async with scheduler.running(), anyio.create_task_group() as tg:
+        for i, request in enumerate(requests):
+            tg.start_soon(one, request, 0.004 * i)
+    assert scheduler.stats().finished.keys() <= {FinishReason.STOP, FinishReason.LENGTH}
+
+    for request in requests:
+        got = results[request.request_id or ""]
+        same_output(got, await alone(new, request))
+        n = request.sampling.logprobs
+        assert [x.token for x in got.logprobs] == (got.token_ids if n else [])
+        assert all(len(x.top) == n and x.logprob <= x.top[0][1] + 1e-6 for x in got.logprobs)
+
+
+async def test_greedy_output_equals_plain_greedy_decoding(
+    new: Callable[..., Scheduler], model: Model
+) -> None:
+    ids = prompt(random.Random(3), 20)
+    got = await alone(new, Request(prompt=ids, sampling=GREEDY, max_tokens=12, ignore_eos=True))
+    assert got.token_ids == greedy_tokens(model, ids, 12)
+
+
+async def test_a_seeded_request_samples_the_same_tokens_whatever_else_runs(
+    new: Callable[..., Scheduler],
+) -> None:
+    rng = random.Random(5)
+    sampled = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
+    target = Request(prompt=prompt(rng, 10), sampling=sampled, max_tokens=16, ignore_eos=True)
+    scheduler = new(n_slots=4)
+    async with scheduler.running():
+        others = [
+            scheduler.submit(Request(prompt=prompt(rng, 30), sampling=SamplingParams(seed=i)))
+            for i in range(3)
+        ]
+        crowded = completion(await events_of(scheduler.submit(target)))
+        for h in others:
+            h.cancel()
+    same_output(crowded, await alone(new, target))
+
+
+async def test_steps_may_run_on_any_worker_thread(new: Callable[..., Scheduler]) -> None:
+    """MLX evaluates a graph only on the thread that built it; other work on the thread
+    pool makes successive steps land on different threads, speculation (rollbacks)
+    included. Outputs must not change."""
+    threads: set[int] = set()
+    rng = random.Random(9)
+    requests = [
+        Request(prompt=prompt(rng, 5) * 3, sampling=GREEDY, max_tokens=16, speculation=Speculation.ON)
+        for _ in range(3)
+    ]
+    scheduler = new(n_slots=3, speculate=True, fault_hook=lambda _: threads.add(get_ident()))
+    async with scheduler.running(), anyio.create_task_group() as tg:
+
+        async def busy() -> None:
+            while len(threads) < 4:
+                await anyio.to_thread.run_sync(time.sleep, 0.0005)
+
+        tg.start_soon(busy)
+        results = [await scheduler.submit(r).collect() for r in requests]
+        tg.cancel_scope.cancel()
+    assert len(threads) > 1
+    for request, result in zip(requests, results, strict=True):
+        same_output(result, await alone(new, request, speculate=True))
+
+
+# -- cancellation -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "speculating"])
+async def test_cancel_mid_prefill_frees_the_slot_and_leaves_others_unaffected(
+    new: Callable[..., Scheduler], speculate: bool
+) -> None:
+    """Cancelled from inside a step (the fault hook as observer) while its prompt is
+    still being fed in chunks."""
+    mode = Speculation.ON if speculate else Speculation.OFF
+    rng = random.Random(1)
+    other = Request(prompt=prompt(rng, 12), sampling=GREEDY, max_tokens=16, speculation=mode)
+    victim = Request(prompt=prompt(rng, 100), max_tokens=8, request_id="victim", speculation=mode)
+    seen: list[tuple[list[str], int]] = []  # ids of each forward, requests holding slots
+    scheduler: Scheduler
+
+    def observe(ids: list[str]) -> None:
+        seen.append((ids, scheduler.stats().running))
+        if sum("victim" in s for s, _ in seen) == 2:  # its second prefill chunk is running
+            anyio.from_thread.run_sync(scheduler.cancel, "victim")
+
+    scheduler = new(n_slots=2, speculate=speculate, max_prefill_chunk=16, fault_hook=observe)
+    async with scheduler.running():
+        h_other, h_victim = scheduler.submit(other), scheduler.submit(victim)
+        cancelled = completion(await events_of(h_victim))
+        kept = completion(await events_of(h_other))
+    assert cancelled.finished.reason == FinishReason.CANCELLED
+    assert cancelled.token_ids == [] and cancelled.finished.usage.completion_tokens == 0
+    at = [i for i, (ids, _) in enumerate(seen) if "victim" in ids]
+    assert len(at) == 2  # never ran again after the cancel ...
+    assert seen[at[-1] + 1][1] == 1  # ... and its slot was free by the next step
+    same_output(kept, await alone(new, other, speculate=speculate))
+
+
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "speculating"])
+async def test_cancel_mid_decode_or_verify_frees_the_slot_and_leaves_others_unaffected(
+    new: Callable[..., Scheduler], speculate: bool
+) -> None:
+    """With speculation on, the victim's decode rows are verify rows whenever a
+    drafter proposes; the prompt repeats itself so that prompt lookup does."""
+    mode = Speculation.ON if speculate else Speculation.OFF
+    rng = random.Random(2)
+    others = [
+        Request(prompt=prompt(rng, 8) * 3, sampling=GREEDY, max_tokens=20, speculation=mode)
+        for _ in range(2)
+    ]
+    victim = Request(prompt=prompt(rng, 6) * 4, sampling=GREEDY, max_tokens=100, speculation=mode)
+    scheduler = new(n_slots=3, speculate=speculate)
+    async with scheduler.running():
+        handles = [scheduler.submit(r) for r in others]
+        h_victim = scheduler.submit(victim)
+        got: list[int] = []
+        async for event in h_victim:
+            if isinstance(event, Delta):
+                got += event.token_ids
+                if len(got) >= 3 and len(got) - len(event.token_ids) < 3:
+                    assert scheduler.cancel(h_victim.request_id)
+            else:
+                final = event
+        kept = [completion(await events_of(h)) for h in handles]
+    assert final.reason == FinishReason.CANCELLED
+    assert 3 <= final.usage.completion_tokens < 100
+    if speculate and getattr(scheduler._stepper.speculator, "drafters", None):
+        assert final.spec.verify_steps > 0  # it was cancelled between verify rounds
+    assert not scheduler.cancel(h_victim.request_id)  # already over
+    for request, result in zip(others, kept, strict=True):
+        same_output(result, await alone(new, request, speculate=speculate))
+
+
+async def test_closing_a_handle_cancels_its_request(new: Callable[..., Scheduler]) -> None:
+    scheduler = new(n_slots=1)
+    async with scheduler.running():
+        handle = scheduler.submit(Request(prompt=[1, 2, 3], max_tokens=100, ignore_eos=True))
+        async for _ in handle:
+            break
+        await handle.aclose()
+        nxt = await scheduler.submit(Request(prompt=[4, 5], max_tokens=2)).collect()
+    assert scheduler.stats().finished.get(FinishReason.CANCELLED) == 1
+    assert nxt.finished.reason in (FinishReason.LENGTH, FinishReason.STOP)
+
+
+# -- admission ----------------------------------------------------------------------------------
+
+
+async def test_a_full_queue_rejects_at_once_with_retry_after(
+    new: Callable[..., Scheduler],
+) -> None:
+    scheduler = new(n_slots=1, max_queue=2)
+    async with scheduler.running():
+        queued = [scheduler.submit(Request(prompt=[1, 2], max_tokens=4)) for _ in range(2)]
+        with pytest.raises(Rejected) as e:
+            scheduler.submit(Request(prompt=[1, 2], max_tokens=4))
+        assert e.value.reason == RejectReason.QUEUE_FULL and e.value.retry_after_s
+        for h in queued:
+            await h.collect()
+        later = await scheduler.submit(Request(prompt=[1, 2], max_tokens=4)).collect()
+        assert later.finished.reason in (FinishReason.LENGTH, FinishReason.STOP)
+        with pytest.raises(DuplicateRequestId):
+            scheduler.submit(Request(prompt=[1], request_id="x"))
+            scheduler.submit(Request(prompt=[1], request_id="x"))
+    assert scheduler.stats().rejected == 1
+    with pytest.raises(Rejected) as e:
+        scheduler.submit(Request(prompt=[1, 2]))
+    assert e.value.reason == RejectReason.SHUTTING_DOWN
+
+
+async def test_priority_requests_overtake_waiting_ones(new: Callable[..., Scheduler]) -> None:
+    scheduler = new(n_slots=1, policy=Policy.PRIORITY, aging_per_s=0.0)
+    order: list[str] = []
+
+    async def run(request: Request) -> None:
+        await scheduler.submit(request).collect()
+        order.append(request.request_id or "")
+
+    async with scheduler.running(), anyio.create_task_group() as tg:
+        tg.start_soon(run, Request(prompt=[1] * 8, max_tokens=10, request_id="first"))
+        while scheduler.stats().running == 0:  # "first" holds the only slot
+            await anyio.sleep(0.001)
+        for rid, prio in [("low-a", 0), ("low-b", 0), ("high", 5)]:
+            tg.start_soon(run, Request(prompt=[2, 3], max_tokens=3, priority=prio, request_id=rid))
+    assert order == ["first", "high", "low-a", "low-b"]
+
+
+async def test_a_low_priority_request_completes_under_sustained_high_priority_load(
+    new: Callable[..., Scheduler],
+) -> None:
+    """High-priority requests keep the queue full; aging lets the low one in anyway."""
+    scheduler = new(n_slots=1, policy=Policy.PRIORITY, aging_per_s=100.0, max_queue=64)
+    low_done = anyio.Event()
+    admitted_highs: list[str] = []
+
+    async def high(i: int) -> None:
+        r = Request(prompt=[3, 4, 5], max_tokens=4, priority=10, request_id=f"high-{i}")
+        await scheduler.submit(r).collect()
+        admitted_highs.append(r.request_id or "")
+
+    async def flood() -> None:
+        for i in range(400):
+            if low_done.is_set():
+                return
+            if scheduler.stats().waiting < 4:
+                tg.start_soon(high, i)
+            await anyio.sleep(0.002)
+        raise AssertionError("the low-priority request starved")
+
+    async with scheduler.running(), anyio.create_task_group() as tg:
+        tg.start_soon(flood)
+        await anyio.sleep(0.05)
+        low = await scheduler.submit(Request(prompt=[7, 8], max_tokens=4, priority=0)).collect()
+        low_done.set()
+    assert low.finished.reason in (FinishReason.LENGTH, FinishReason.STOP)
+    assert low.finished.timings.queued_s < 1.0  # 10 points at 100 points/s: ~0.1 s
+    assert len(admitted_highs) >= 3  # the high-priority load really was there
+
+
+async def test_memory_accounting_never_admits_beyond_the_budget(
+    new: Callable[..., Scheduler],
+) -> None:
+    probe = new(n_slots=1)  # only to price requests with the real pool accounting
+    price = probe._budget.price(10, 20, draft_depth=0)
+    budget = 2 * price + price // 2  # room for two requests, not three
+    widest: list[int] = []
+    scheduler: Scheduler
+
+    def observe(ids: list[str]) -> None:
+        widest.append(len(ids))
+        stats = scheduler.stats()
+        assert stats.reserved_bytes <= budget and stats.running <= 2
+
+    scheduler = new(n_slots=4, memory_bytes=budget, fault_hook=observe)
+    rng = random.Random(4)
+    async with scheduler.running():
+        handles = [
+            scheduler.submit(Request(prompt=prompt(rng, 10), max_tokens=20, ignore_eos=True))
+            for _ in range(6)  # the Speculator drafts nothing here: no capture is priced
+        ]
+        with pytest.raises(Rejected) as e:
+            scheduler.submit(Request(prompt=prompt(rng, 10), max_tokens=140))
+        assert e.value.reason == RejectReason.NEVER_FITS and e.value.retry_after_s is None
+        results = [await h.collect() for h in handles]
+    assert max(widest) == 2
+    assert all(r.finished.reason == FinishReason.LENGTH for r in results)
+    assert scheduler.stats().reserved_bytes == 0
+
+
+# -- stop strings -------------------------------------------------------------------------------
+
+
+async def test_stop_strings_across_token_boundaries_are_cut_exactly_and_never_streamed(
+    new: Callable[..., Scheduler], tokenizer: Tokenizer
+) -> None:
+    base = Request(prompt=prompt(random.Random(6), 16), sampling=GREEDY, max_tokens=40)
+    full = await alone(new, dataclasses.replace(base, ignore_eos=True))
+    detok = tokenizer.detokenizer()
+    pieces = [detok.push(t) for t in full.token_ids]  # the text each token completed
+    # A stop string from the last character of token i to the first of token i + 2.
+    i = next(i for i in range(4, len(pieces) - 2) if all(pieces[i : i + 3]))
+    stop = pieces[i][-1] + pieces[i + 1] + pieces[i + 2][0]
+    expected = full.text[: full.text.find(stop)]
+
+    request = dataclasses.replace(base, ignore_eos=True, stop=(stop,))
+    scheduler = new(n_slots=1)
+    async with scheduler.running():
+        events = await events_of(scheduler.submit(request))
+    streamed = ""
+    for e in events:
+        if isinstance(e, Delta):
+            streamed += e.text
+            assert stop not in streamed
+            assert expected.startswith(streamed)
+    final = events[-1]
+    assert isinstance(final, Finished)
+    assert streamed == expected
+    assert final.reason == FinishReason.STOP and final.matched_stop == stop
+    assert completion(events).token_ids == full.token_ids[: len(completion(events).token_ids)]
+
+
+# -- deadlines, faults, shutdown ----------------------------------------------------------------
+
+
+async def test_a_deadline_ends_the_request_with_what_it_produced(
+    new: Callable[..., Scheduler],
+) -> None:
+    scheduler = new(n_slots=1)
+    async with scheduler.running():
+        r = Request(prompt=[1, 2, 3], max_tokens=150, ignore_eos=True, deadline_s=0.1)
+        got = await scheduler.submit(r).collect()
+    assert got.finished.reason == FinishReason.DEADLINE
+    assert 0 < len(got.token_ids) < 150
+    assert got.finished.timings.total_s == pytest.approx(0.1, abs=0.1)
+
+
+async def test_a_row_fault_ends_only_its_request_and_serving_goes_on(
+    new: Callable[..., Scheduler],
+) -> None:
+    """A BatchError leaves the pool unchanged: the rows are bisected to the faulty one."""
+
+    def fault(ids: list[str]) -> None:
+        if "bad" in ids:
+            raise BatchError("injected fault in the row of 'bad'")
+
+    rng = random.Random(8)
+    good = [Request(prompt=prompt(rng, 9), sampling=GREEDY, max_tokens=10) for _ in range(3)]
+    scheduler = new(n_slots=4, fault_hook=fault)
+    async with scheduler.running():
+        handles = [scheduler.submit(r) for r in good]
+        bad = scheduler.submit(Request(prompt=prompt(rng, 9), max_tokens=10, request_id="bad"))
+        failed = await bad.collect()
+        results = [await h.collect() for h in handles]
+        after = await scheduler.submit(good[0]).collect()
+    assert failed.finished.reason == FinishReason.ERROR
+    assert failed.finished.error is not None and "injected" in failed.finished.error
+    for request, result in zip(good, results, strict=True):
+        same_output(result, await alone(new, request))
+    same_output(after, results[0])
+
+
+async def test_a_step_fault_ends_the_requests_of_that_step_and_serving_goes_on(
+    new: Callable[..., Scheduler],
+) -> None:
+    """Any other exception leaves the forward's slots in an unknown state: all its
+    requests end with an error; requests after it are served normally."""
+    armed = [True]
+
+    def fault(ids: list[str]) -> None:
+        if armed[0] and len(ids) == 2:
+            armed[0] = False
+            raise RuntimeError("injected device fault")
+
+    scheduler = new(n_slots=2, fault_hook=fault)
+    async with scheduler.running():
+        first = [scheduler.submit(Request(prompt=[i, 2, 3], max_tokens=8)) for i in range(2)]
+        failed = [await h.collect() for h in first]
+        after = await scheduler.submit(Request(prompt=[4, 5, 6], max_tokens=8)).collect()
+    assert [f.finished.reason for f in failed] == [FinishReason.ERROR] * 2
+    assert all("injected device fault" in (f.finished.error or "") for f in failed)
+    assert after.finished.reason in (FinishReason.LENGTH, FinishReason.STOP)
+
+
+async def test_shutdown_gives_every_request_exactly_one_terminal_outcome(
+    new: Callable[..., Scheduler],
+) -> None:
+    scheduler = new(n_slots=2, shutdown_grace_s=0.05)
+    outcomes: list[list[Event]] = []
+
+    async def consume(handle: RequestHandle) -> None:
+        outcomes.append(await events_of(handle))
+
+    async with anyio.create_task_group() as tg, scheduler.running():
+        for i in range(6):  # two run, four wait
+            handle = scheduler.submit(Request(prompt=[i + 1, 2], max_tokens=150, ignore_eos=True))
+            tg.start_soon(consume, handle)
+        await anyio.sleep(0.02)
+    reasons = sorted(e[-1].reason for e in outcomes if isinstance(e[-1], Finished))
+    assert len(outcomes) == 6
+    assert reasons == [FinishReason.SHUTDOWN] * 6
+    assert scheduler.stats().running == 0 and scheduler.stats().waiting == 0
