@@ -1,0 +1,162 @@
+"""The cost controller: how many tokens each slot drafts this step (0 included).
+
+It predicts a step's time and its committed tokens for each candidate depth and
+picks the one with the least time per committed token — so speculation is judged
+against plain decode at the current batch width by measured seconds, not by
+acceptance rate alone.
+
+* Time: a table of measured step cycles (plan → step → resolve, drafting
+  included) per batch width B and step depth D — the deepest draft in the step.
+  Depth, not the number of draft tokens, is what a step pays for first: rows are
+  padded to the longest, verify rows take the stepwise recurrence, and each MTP
+  depth is one more head forward for all slots together. Entries are
+  exponentially weighted averages; a sample is clipped to four times the
+  prediction so one compile or page-fault stall does not swing them. A depth not
+  measured yet at this width is interpolated linearly between measured depths
+  (beyond the deepest one, extrapolated along the line from D = 0); with only
+  plain decode measured it is taken to cost nothing — so it gets tried.
+* Tokens: a slot drafting k commits 1 + a + a^2 + ... + a^k on average, where a is
+  its per-token acceptance rate with that drafter (an exponentially decayed count
+  of accepted / tried draft tokens, from a prior of 1/2).
+* Choice: every "auto" slot whose rate is at least `min_rate` drafts
+  min(D, its cap); D is the depth with the most expected tokens per second. A
+  width with no plain measurement runs plain first.
+* Recovery: a slot held at K = 0 for `probe_every` of its steps drafts one token
+  (its acceptance estimate would otherwise never move again), and a width that
+  has not run plain for `remeasure_every` steps runs plain once to re-measure.
+
+Modes per slot: "off" never drafts, "on" always drafts its full cap (so a seeded
+request replays exactly), "auto" follows the controller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.cache import SlotId
+
+MODES = ("off", "on", "auto")
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What one slot could draft this step: up to `cap` tokens from `drafter` ("" = none)."""
+
+    slot: SlotId
+    drafter: str
+    cap: int
+    mode: str = "auto"
+
+
+@dataclass
+class _Rate:
+    """Decayed counts of accepted and tried draft tokens; a = accepted / tried."""
+
+    accepted: float = 1.0
+    tried: float = 2.0
+
+    def update(self, drafted: int, accepted: int, decay: float) -> None:
+        self.accepted = decay * self.accepted + accepted
+        self.tried = decay * self.tried + accepted + (1 if accepted < drafted else 0)
+
+    @property
+    def value(self) -> float:
+        return self.accepted / self.tried
+
+
+@dataclass
+class CostController:
+    """Chooses per-slot draft depths from measured step times (see the module docstring).
+
+    `smoothing`: weight of a new time sample; `decay`: per-round decay of acceptance counts
+    (0.9 remembers about ten rounds: enough to ride out a few unlucky rejections).
+    """
+
+    smoothing: float = 0.2
+    decay: float = 0.9
+    min_rate: float = 0.1
+    probe_every: int = 16
+    remeasure_every: int = 64
+    seconds: dict[int, dict[int, float]] = field(default_factory=dict)  # width -> depth -> s
+    _rates: dict[tuple[SlotId, str], _Rate] = field(default_factory=dict)
+    _idle: dict[SlotId, int] = field(default_factory=dict)  # steps since the slot drafted
+    _since_plain: dict[int, int] = field(default_factory=dict)  # steps since width ran plain
+
+    def rate(self, slot: SlotId, drafter: str) -> float:
+        """Estimated chance that the slot's next draft token from `drafter` is accepted."""
+        r = self._rates.get((slot, drafter))
+        return r.value if r is not None else _Rate().value
+
+    def expected_tokens(self, slot: SlotId, drafter: str, k: int) -> float:
+        """Tokens a step with k drafts is expected to commit for the slot (1 + a + ... + a^k)."""
+        a = self.rate(slot, drafter)
+        return 1.0 + sum(a**d for d in range(1, k + 1))
+
+    def predict(self, width: int, depth: int) -> float | None:
+        """Seconds of a step of `width` slots whose deepest draft is `depth` (None: unknown)."""
+        table = self.seconds.get(width, {})
+        if depth in table or 0 not in table:
+            return table.get(depth)
+        below = max(d for d in table if d < depth)
+        above = [d for d in table if d > depth]
+        if above:
+            hi = min(above)
+            w = (depth - below) / (hi - below)
+            return (1 - w) * table[below] + w * table[hi]
+        slope = (table[below] - table[0]) / below if below else 0.0
+        return table[0] + slope * depth
+
+    def choose(self, offers: Sequence[Offer]) -> list[int]:
+        """Draft depth per offer for a step whose batch width is `len(offers)`."""
+        width = len(offers)
+        ks = [o.cap if o.mode == "on" else 0 for o in offers]
+        auto = [i for i, o in enumerate(offers) if o.mode == "auto" and o.cap > 0]
+        stale = self._since_plain.get(width, 0) >= self.remeasure_every and not any(ks)
+        if auto and 0 in self.seconds.get(width, {}) and not stale:
+            ks = self._deepen(offers, ks, auto)
+        for i in auto:
+            if ks[i] == 0 and self._idle.get(offers[i].slot, 0) >= self.probe_every:
+                ks[i] = 1
+        for o, k in zip(offers, ks, strict=True):
+            self._idle[o.slot] = 0 if k else self._idle.get(o.slot, 0) + 1
+        return ks
+
+    def _deepen(self, offers: Sequence[Offer], ks: list[int], auto: list[int]) -> list[int]:
+        """The depths with the most expected tokens per predicted second."""
+        width = len(offers)
+        joining = [i for i in auto if self.rate(offers[i].slot, offers[i].drafter) >= self.min_rate]
+        best, best_rate = ks, -1.0
+        for depth in range(max(ks), max(offers[i].cap for i in auto) + 1):
+            trial = list(ks)
+            for i in joining if depth else []:
+                trial[i] = min(depth, offers[i].cap)
+            seconds = self.predict(width, max(trial))
+            assert seconds is not None  # plain decode is measured, so every depth predicts
+            tokens = sum(
+                self.expected_tokens(o.slot, o.drafter, k)
+                for o, k in zip(offers, trial, strict=True)
+            )
+            if tokens / max(seconds, 1e-9) > best_rate * (1 + 1e-9):
+                best, best_rate = trial, tokens / max(seconds, 1e-9)
+        return best
+
+    def observe_step(self, width: int, depth: int, seconds: float) -> None:
+        """A step of `width` decoding slots whose deepest draft was `depth` took `seconds`."""
+        table = self.seconds.setdefault(width, {})
+        predicted = self.predict(width, depth)
+        if predicted is not None and predicted > 0:
+            seconds = min(seconds, 4 * predicted)
+        old = table.get(depth)
+        table[depth] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self._since_plain[width] = 0 if depth == 0 else self._since_plain.get(width, 0) + 1
+
+    def observe_round(self, slot: SlotId, drafter: str, drafted: int, accepted: int) -> None:
+        """A verify round of the slot accepted `accepted` of `drafted` tokens from `drafter`."""
+        self._rates.setdefault((slot, drafter), _Rate()).update(drafted, accepted, self.decay)
+
+    def forget(self, slot: SlotId) -> None:
+        """The slot's request ended: its acceptance history does not carry over."""
+        self._idle.pop(slot, None)
+        for key in [k for k in self._rates if k[0] == slot]:
+            del self._rates[key]

@@ -1,0 +1,119 @@
+"""The cost controller against a simulated clock: it drafts where drafts pay, backs off
+where they do not (judged per batch width), and recovers when they start paying again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.cache import SlotId
+from engine.spec.controller import CostController, Offer
+
+CAP = 4
+
+
+@dataclass
+class World:
+    """Step ms = base + per_depth x deepest draft + per_token x draft tokens; each draft
+    token is accepted with `alpha`."""
+
+    alpha: float
+    base: float = 10.0
+    per_depth: float = 0.5
+    per_token: float = 0.0
+
+    def step_ms(self, ks: np.ndarray) -> float:
+        return (
+            self.base + self.per_depth * float(ks.max(initial=0)) + self.per_token * float(ks.sum())
+        )
+
+
+def run(ctrl: CostController, world: World, width: int, steps: int, seed: int = 0) -> np.ndarray:
+    """Drive the controller for `steps` steps; returns the chosen depths `[steps, width]`."""
+    rng = np.random.default_rng(seed)
+    slots = [SlotId(i) for i in range(width)]
+    chosen = []
+    for _ in range(steps):
+        ks = np.array(ctrl.choose([Offer(s, "mtp", CAP) for s in slots]))
+        for s, k in zip(slots, ks, strict=True):
+            if k:
+                accepted = int(np.cumprod(rng.random(k) < world.alpha).sum())
+                ctrl.observe_round(s, "mtp", int(k), accepted)
+        ctrl.observe_step(width, int(ks.max()), world.step_ms(ks) / 1e3)
+        chosen.append(ks)
+    return np.array(chosen)
+
+
+def time_per_token(world: World, ks: np.ndarray) -> float:
+    """Expected ms per committed token of a run's choices `[steps, width]` in `world`."""
+    a = world.alpha
+    tokens = sum(1 + sum(a**d for d in range(1, int(k) + 1)) for k in ks.ravel())
+    return sum(world.step_ms(row) for row in ks) / tokens
+
+
+def test_drafts_deep_when_drafts_are_cheap_and_accepted() -> None:
+    ks = run(CostController(), World(alpha=0.8), width=1, steps=200)
+    assert ks[-100:].mean() >= CAP - 0.5
+
+
+def test_backs_off_when_drafts_cost_more_than_they_commit() -> None:
+    world = World(alpha=0.1, per_depth=3.0)
+    ks = run(CostController(), world, width=2, steps=300)
+    assert ks[-200:].mean() < 0.1  # only the occasional probe
+    assert time_per_token(world, ks[-200:]) < 1.02 * world.base
+
+
+def test_the_same_acceptance_pays_at_width_1_but_not_at_width_8() -> None:
+    ctrl = CostController()
+    narrow = World(alpha=0.6, base=10.0, per_depth=0.5, per_token=0.1)  # latency-bound
+    wide = World(alpha=0.6, base=12.0, per_depth=2.0, per_token=1.0)  # compute-bound
+    for seed in range(6):
+        a = run(ctrl, narrow, width=1, steps=50, seed=seed)
+        b = run(ctrl, wide, width=8, steps=50, seed=seed)
+    assert a[-30:].mean() >= 2
+    assert b[-30:].mean() < 0.2
+    assert time_per_token(narrow, a[-30:]) < 0.8 * narrow.base
+    assert time_per_token(wide, b[-30:]) <= 1.02 * wide.base
+
+
+def test_recovers_when_acceptance_comes_back() -> None:
+    ctrl = CostController()
+    world = World(alpha=0.02, per_depth=2.0)
+    assert run(ctrl, world, width=1, steps=200)[-100:].mean() < 0.1
+    world.alpha = 0.95
+    ks = run(ctrl, world, width=1, steps=200, seed=1)
+    assert ks[-50:].mean() >= CAP - 0.5
+
+
+def test_comes_close_to_the_best_fixed_depth_in_a_middling_world() -> None:
+    world = World(alpha=0.5, per_depth=1.5)  # best fixed K is 2: 7.43 ms/token; K = 4: 8.26
+    best = min(time_per_token(world, np.full((1, 1), k)) for k in range(CAP + 1))
+    for seed in range(3):
+        auto = run(CostController(), world, width=1, steps=300, seed=seed)[-200:]
+        assert time_per_token(world, auto) <= 1.05 * best
+
+
+def test_modes_off_and_on_bypass_the_controller() -> None:
+    ctrl = CostController()
+    offers = [Offer(SlotId(0), "ngram", 3, "off"), Offer(SlotId(1), "ngram", 3, "on")]
+    for _ in range(5):
+        assert ctrl.choose(offers) == [0, 3]
+        ctrl.observe_round(SlotId(1), "ngram", 3, 0)
+        ctrl.observe_step(2, 3, 0.05)
+
+
+def test_a_new_width_measures_plain_decode_first() -> None:
+    ctrl = CostController()
+    assert ctrl.choose([Offer(SlotId(0), "mtp", CAP)]) == [0]
+    ctrl.observe_step(1, 0, 0.01)
+    assert ctrl.choose([Offer(SlotId(0), "mtp", CAP)]) == [CAP]  # untried: assume it is free
+
+
+def test_unmeasured_depths_are_interpolated_from_measured_ones() -> None:
+    ctrl = CostController()
+    ctrl.observe_step(3, 0, 0.010)
+    assert ctrl.predict(3, 2) == 0.010  # only plain known: deeper steps look free (try them)
+    ctrl.observe_step(3, 4, 0.018)
+    assert [round(ctrl.predict(3, d) or 0, 6) for d in (2, 6)] == [0.014, 0.022]
+    assert ctrl.predict(5, 1) is None
