@@ -2,22 +2,27 @@
 
 The scheduler puts every decoding slot of a step through a `Speculator`:
 
-    rows = speculator.plan(decoding)                  # decode rows (and, later, verify rows)
+    rows = speculator.plan(decoding)                  # decode rows and verify rows
     out = runner.step(prefill_rows + rows)            # ONE forward for the whole batch
     committed = speculator.resolve(decoding, out.rows[len(prefill_rows):])
 
-`plan` decides each slot's draft depth K (0 = plain decode) and builds its row;
-`resolve` samples / accepts, rolls rejected positions back in the pool, and
-returns the tokens each slot committed this step (at least one each). So the
-scheduler never samples decode tokens itself, and speculation changes nothing
-in its loop.
+`plan` lets the cost controller choose each slot's draft depth K (0 = plain
+decode), has the drafters propose the drafts of all speculating slots batched,
+and builds each slot's row: `[pending, *drafts]` with capture when K > 0.
+`resolve` accepts drafts exactly (`acceptance.accept`), rolls rejected positions
+back in the pool, and returns the tokens each slot committed this step (at least
+one each). Slots with different K share the step; the scheduler never samples
+decode tokens itself.
 
-This version decodes without drafts (K = 0 for every slot); drafters, exact
-acceptance and the cost controller plug into `plan` and `resolve`.
+Around that, three hooks keep drafters with state (the MTP head's KV) in step
+with the trunk: run prefill chunks as `prefill_row(...)` and report them with
+`prefilled(row, output)`, and call `release(slot)` when the slot's request ends
+(it returns the request's `SpecStats`).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +32,13 @@ import numpy as np
 from engine.cache import SlotId
 from engine.runner import ModelRunner, Row, RowOutput
 from engine.sampling import RequestRng, SamplingParams, adjust_logits, distribution, draw
+from engine.spec.acceptance import accept
+from engine.spec.controller import MODES, CostController, Offer
+from engine.spec.drafters import Draft, Drafter, DraftJob, MTPDrafter, NgramDrafter
+
+
+class SpecError(ValueError):
+    """The speculator was driven out of order (e.g. resolve without plan); nothing changed."""
 
 
 @dataclass
@@ -35,6 +47,8 @@ class DecodingSlot:
 
     `pending` is the last committed token, not yet fed to the model; `history`
     is every token the sequence has (prompt and output, `pending` included).
+    `max_draft` caps the request's draft depth; `remaining` is how many tokens it may
+    still commit (drafting past it would be wasted).
     """
 
     slot: SlotId
@@ -43,6 +57,8 @@ class DecodingSlot:
     params: SamplingParams
     rng: RequestRng
     speculation: str = "auto"  # "off" | "on" | "auto"
+    max_draft: int | None = None
+    remaining: int | None = None
 
 
 @dataclass
@@ -53,6 +69,52 @@ class Committed:
     logits: list[mx.array] = field(default_factory=list)  # adjusted logits per token, [V]
     drafted: int = 0
     accepted: int = 0
+    drafter: str = ""  # "" when the slot did not draft
+
+
+@dataclass
+class SpecStats:
+    """One request's speculation telemetry, summed over its decode steps."""
+
+    steps: int = 0
+    verify_rounds: int = 0  # steps with at least one draft token
+    drafted: int = 0
+    accepted: int = 0
+    accepted_at_depth: list[int] = field(default_factory=list)  # [d-1]: rounds accepting depth d
+    choices: dict[int, int] = field(default_factory=dict)  # draft depth -> steps it was chosen
+    rounds_by_drafter: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def record(self, drafter: str, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.choices[drafted] = self.choices.get(drafted, 0) + 1
+        if not drafted:
+            return
+        self.verify_rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.rounds_by_drafter[drafter] = self.rounds_by_drafter.get(drafter, 0) + 1
+        self.accepted_at_depth += [0] * (accepted - len(self.accepted_at_depth))
+        for d in range(accepted):
+            self.accepted_at_depth[d] += 1
+
+
+@dataclass
+class _Plan:
+    drafter: str
+    draft: Draft
+    length: int  # the slot's trunk length when planned
+
+
+def default_drafters(runner: ModelRunner) -> list[Drafter]:
+    """Prompt lookup first (free when it matches), then the MTP head if the model has one."""
+    drafters: list[Drafter] = [NgramDrafter()]
+    if runner.model.mtp is not None:
+        drafters.append(MTPDrafter(runner))
+    return drafters
 
 
 def sample_rows(
@@ -69,26 +131,230 @@ def sample_rows(
 
 
 class Speculator:
-    """Plans and resolves the decode rows of every step (see the module docstring)."""
+    """Plans and resolves the decode rows of every step (see the module docstring).
 
-    def __init__(self, runner: ModelRunner, max_draft: int = 0) -> None:
+    `max_draft` bounds K for every slot (0: plain decode only) and may not exceed the
+    pool's capture depth. `drafters` in order of preference (default: `default_drafters`);
+    each slot drafts with the available one whose acceptance estimate is highest.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_draft: int = 0,
+        drafters: Sequence[Drafter] | None = None,
+        controller: CostController | None = None,
+    ) -> None:
+        if not 0 <= max_draft <= runner.pool.max_draft:
+            raise ValueError(
+                f"max_draft {max_draft} outside 0..{runner.pool.max_draft} (the pool's capture "
+                "depth; build the SlotPool with a larger max_draft)"
+            )
         self.runner = runner
         self.max_draft = max_draft
+        if drafters is None:
+            drafters = default_drafters(runner) if max_draft else []
+        self.drafters = list(drafters)
+        self.controller = controller if controller is not None else CostController()
+        self._plans: dict[SlotId, _Plan] = {}
+        self._stats: dict[SlotId, SpecStats] = {}
+        self._cycle: tuple[float, int, int] | None = None  # start, row tokens, depth
 
+    # -- a slot's life -------------------------------------------------------------------
+    def prefill_row(
+        self, slot: SlotId, tokens: Sequence[int], start: int, speculation: str = "auto"
+    ) -> Row:
+        """The row to run for a prefill chunk; `start == 0` begins a new sequence in `slot`.
+
+        The row may ask for the logits and hidden states of every position (drafters
+        that follow the trunk need them); the next-token logits are always `logits[-1]`.
+        """
+        if start == 0:
+            self.release(slot)
+            if speculation != "off" and self.max_draft:
+                for d in self.drafters:
+                    d.begin(slot)
+        hidden = self._needs_hidden(slot)
+        return Row(
+            slot, tokens, start, want=range(len(tokens)) if hidden else None, want_hidden=hidden
+        )
+
+    def prefilled(self, row: Row, output: RowOutput) -> None:
+        """Report the output of a row built by `prefill_row` once the step has run."""
+        if output.hidden is not None:
+            for d in self.drafters:
+                if d.needs_hidden(row.slot):
+                    d.observe(row.slot, row.start, output.hidden)
+
+    def release(self, slot: SlotId) -> SpecStats:
+        """Forget the slot's request (call when it ends); returns its telemetry."""
+        self._plans.pop(slot, None)
+        for d in self.drafters:
+            d.release(slot)
+        self.controller.forget(slot)
+        return self._stats.pop(slot, SpecStats())
+
+    def stats(self, slot: SlotId) -> SpecStats:
+        return self._stats.setdefault(slot, SpecStats())
+
+    # -- a step ---------------------------------------------------------------------------
     def plan(self, decoding: Sequence[DecodingSlot]) -> list[Row]:
-        pool = self.runner.pool
-        return [Row(d.slot, [d.pending], pool.lengths[d.slot]) for d in decoding]
+        """One row per decoding slot, in order: `[pending, *drafts]` at the slot's length."""
+        start = time.perf_counter()
+        lengths = [self.runner.pool.lengths[d.slot] for d in decoding]
+        offers = [self._offer(d, n) for d, n in zip(decoding, lengths, strict=True)]
+        depths = self.controller.choose(offers)
+        drafts: dict[SlotId, tuple[str, Draft]] = {}
+        for drafter in self.drafters:
+            jobs = [
+                DraftJob(d, k if o.drafter == drafter.name else 0, n)
+                for d, o, k, n in zip(decoding, offers, depths, lengths, strict=True)
+            ]
+            for job, draft in zip(jobs, drafter.draft(jobs), strict=True):
+                if draft.tokens:
+                    drafts[job.d.slot] = (drafter.name, draft)
+        rows = []
+        for d, n in zip(decoding, lengths, strict=True):
+            name, draft = drafts.get(d.slot, ("", Draft()))
+            k = len(draft.tokens)
+            self._plans[d.slot] = _Plan(name, draft, n)
+            rows.append(
+                Row(
+                    d.slot,
+                    [d.pending, *draft.tokens],
+                    n,
+                    capture=k > 0,
+                    want=range(k + 1),
+                    want_hidden=self._needs_hidden(d.slot),
+                )
+            )
+        depth = max((len(r.tokens) - 1 for r in rows), default=0)
+        self._cycle = (start, sum(len(r.tokens) for r in rows), depth)
+        return rows
 
     def resolve(
         self, decoding: Sequence[DecodingSlot], outputs: Sequence[RowOutput]
     ) -> list[Committed]:
+        """Accept, roll back and commit: per slot, in order, the tokens of this step."""
+        if len(outputs) != len(decoding):
+            raise SpecError(f"{len(outputs)} outputs for {len(decoding)} decoding slots")
+        missing = [d.slot for d in decoding if d.slot not in self._plans]
+        if missing:
+            raise SpecError(f"slots {missing} were not planned for this step")
         if not decoding:
             return []
-        logits = mx.concatenate([o.logits[-1:] for o in outputs], axis=0)
-        tokens, adjusted = sample_rows(
-            logits,
-            [d.params for d in decoding],
-            [d.history for d in decoding],
-            [d.rng for d in decoding],
+        plans = [self._plans.pop(d.slot) for d in decoding]
+        ks = [len(p.draft.tokens) for p in plans]
+        params = [d.params for d, k in zip(decoding, ks, strict=True) for _ in range(k + 1)]
+        histories = [  # what the penalties count at each verified position
+            d.history + p.draft.tokens[:j] if d.params.penalized else []
+            for d, p, k in zip(decoding, plans, ks, strict=True)
+            for j in range(k + 1)
+        ]
+        logits = mx.concatenate([o.logits[-(k + 1) :] for o, k in zip(outputs, ks, strict=True)])
+        adjusted = adjust_logits(logits, params, histories)
+        p = _per_slot(distribution(adjusted, params), ks)
+        uniforms = [d.rng.uniform(k + 1) for d, k in zip(decoding, ks, strict=True)]
+        K = max(ks)
+        u_accept = np.ones((len(ks), K))
+        drafts = np.zeros((len(ks), K), dtype=np.int32)
+        for i, (u, plan) in enumerate(zip(uniforms, plans, strict=True)):
+            u_accept[i, : ks[i]] = u[:-1]
+            drafts[i, : ks[i]] = plan.draft.tokens
+        n, nxt = accept(
+            p,
+            _draft_distributions(plans, K, p.shape[-1]),
+            mx.array(drafts),
+            mx.array(ks, dtype=mx.int32),
+            u_accept,
+            np.array([u[-1] for u in uniforms]),
         )
-        return [Committed([t], [adjusted[i]]) for i, t in enumerate(tokens)]
+        committed, offset = [], 0
+        for d, plan, out, k, a, tok in zip(decoding, plans, outputs, ks, n, nxt, strict=True):
+            a = int(a)
+            self._commit(d.slot, plan, out, k, a)
+            committed.append(
+                Committed(
+                    [*plan.draft.tokens[:a], int(tok)],
+                    [adjusted[offset + j] for j in range(a + 1)],
+                    k,
+                    a,
+                    plan.drafter,
+                )
+            )
+            offset += k + 1
+        self._observe_cycle(len(decoding))
+        return committed
+
+    # -- internals -------------------------------------------------------------------------
+    def _offer(self, d: DecodingSlot, length: int) -> Offer:
+        if d.speculation not in MODES:
+            raise SpecError(
+                f"slot {d.slot}: speculation must be one of {MODES}, not {d.speculation!r}"
+            )
+        limits = [self.max_draft, self.runner.pool.max_context - length - 1]
+        limits += [
+            x
+            for x in (d.max_draft, None if d.remaining is None else d.remaining - 1)
+            if x is not None
+        ]
+        cap = max(0, min(limits))
+        if cap == 0 or d.speculation == "off":
+            return Offer(d.slot, "", 0, d.speculation)
+        offers = [(x.name, min(cap, x.available(d, length))) for x in self.drafters]
+        offers = [o for o in offers if o[1] > 0]
+        if not offers:
+            return Offer(d.slot, "", 0, d.speculation)
+        name, depth = max(offers, key=lambda o: self.controller.rate(d.slot, o[0]))
+        return Offer(d.slot, name, depth, d.speculation)
+
+    def _needs_hidden(self, slot: SlotId) -> bool:
+        return any(d.needs_hidden(slot) for d in self.drafters)
+
+    def _commit(self, slot: SlotId, plan: _Plan, out: RowOutput, k: int, accepted: int) -> None:
+        """Roll the slot back to its accepted tokens and tell drafters and telemetry."""
+        if accepted < k:
+            self.runner.pool.rollback(slot, accepted + 1)
+        if out.hidden is not None:
+            for d in self.drafters:
+                if d.needs_hidden(slot):
+                    d.observe(slot, plan.length, out.hidden[: accepted + 1])
+        if k:
+            self.controller.observe_round(slot, plan.drafter, k, accepted)
+        self.stats(slot).record(plan.drafter, k, accepted)
+
+    def _observe_cycle(self, width: int) -> None:
+        """Time plan -> step -> resolve, unless other rows (prefill) shared the step."""
+        if self._cycle is None:
+            return
+        start, tokens, depth = self._cycle
+        self._cycle = None
+        if self.runner.last_tokens == tokens:
+            self.controller.observe_step(width, depth, time.perf_counter() - start)
+
+
+def _per_slot(rows: mx.array, ks: list[int]) -> mx.array:
+    """Packed rows `[sum(k+1), V]` -> `[N, K+1, V]`, a slot's last row repeated as padding."""
+    K, index, offset = max(ks), [], 0
+    for k in ks:
+        index += [offset + min(j, k) for j in range(K + 1)]
+        offset += k + 1
+    return rows[mx.array(index, dtype=mx.int32)].reshape(len(ks), K + 1, rows.shape[-1])
+
+
+def _draft_distributions(plans: list[_Plan], K: int, V: int) -> mx.array:
+    """q `[N, K, V]`: each draft's distribution (one-hot for point-mass drafts), zero padding."""
+    parts = []
+    for p in plans:
+        if p.draft.q is not None:
+            parts.append(p.draft.q)
+        elif p.draft.tokens:
+            tokens = mx.array(p.draft.tokens, dtype=mx.int32)
+            parts.append((mx.arange(V)[None, :] == tokens[:, None]).astype(mx.float32))
+    flat = mx.concatenate([*parts, mx.zeros((1, V))])
+    zero, index, offset = flat.shape[0] - 1, [], 0
+    for p in plans:
+        k = len(p.draft.tokens)
+        index += [offset + j if j < k else zero for j in range(K)]
+        offset += k
+    return flat[mx.array(index, dtype=mx.int32)].reshape(len(plans), K, V)

@@ -1,0 +1,243 @@
+"""Speculative decoding end to end: greedy output is unchanged, rollback is exact, seeds replay.
+
+The model is the tiny preset with tied embeddings: its greedy continuations fall into
+loops, so prompt-lookup drafts really get accepted. (A random-weight MTP head almost
+never agrees with its trunk; the random verify rounds force acceptances instead.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_pool import snapshots_equal
+
+from engine.cache import SlotPool
+from engine.generate import greedy_tokens
+from engine.models.qwen35 import Model, load_model
+from engine.runner import DraftRow, ModelRunner, Row, RowOutput
+from engine.sampling import RequestRng, SamplingParams
+from engine.spec.drafters import Drafter, MTPDrafter, NgramDrafter
+from engine.spec.offline import GREEDY, Request, generate
+from engine.spec.speculator import DecodingSlot, Speculator
+
+K = 4
+N_GEN = 24
+MODES = ["off", "on", "auto", "on", "on", "off", "auto", "off"]  # prompts 1, 4, 6, 7 loop
+
+
+@pytest.fixture(scope="module")
+def model(make_model: Callable[..., Path]) -> Model:
+    return load_model(make_model("tiny", quant="f32", tied_embeddings=True))
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Repetitive prompts: a short random phrase said three times."""
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, 512, 3 + i % 4)] * 3 for i in range(n)]
+
+
+def speculator(model: Model, drafters: str, n_slots: int, context: int = 128) -> Speculator:
+    runner = ModelRunner(model, SlotPool(model.config, n_slots, context, mx.float32, max_draft=K))
+    chosen: list[Drafter] = []
+    if "ngram" in drafters:
+        chosen.append(NgramDrafter())
+    if "mtp" in drafters:
+        chosen.append(MTPDrafter(runner))
+    return Speculator(runner, K, chosen)
+
+
+@pytest.fixture(scope="module")
+def solo(model: Model) -> Callable[[list[int]], list[int]]:
+    cache: dict[tuple[int, ...], list[int]] = {}
+
+    def run(prompt: list[int]) -> list[int]:
+        if tuple(prompt) not in cache:
+            cache[tuple(prompt)] = greedy_tokens(model, prompt, N_GEN)
+        return cache[tuple(prompt)]
+
+    return run
+
+
+@pytest.mark.parametrize("n", [1, 8])
+@pytest.mark.parametrize("drafters", ["ngram", "mtp"])
+def test_greedy_speculation_is_token_identical_to_plain_decoding(
+    model: Model, solo: Callable[[list[int]], list[int]], drafters: str, n: int
+) -> None:
+    """N = 8 mixes speculating slots ("on", "auto") with plain ones ("off") in every step."""
+    spec = speculator(model, drafters, n)
+    chosen = prompts(8) if n > 1 else prompts(8)[1:2]
+    modes = MODES if n > 1 else ["on"]
+    requests = [Request(p, N_GEN, speculation=m) for p, m in zip(chosen, modes, strict=True)]
+    run = generate(spec, requests)
+    for r, tokens in zip(requests, run.tokens, strict=True):
+        assert tokens == solo(r.prompt)
+    by_mode = {m: [s for s, x in zip(run.stats, modes, strict=True) if x == m] for m in modes}
+    assert all(s.drafted == 0 for s in by_mode.get("off", []))
+    assert all(s.verify_rounds > 0 for s in by_mode["on"])
+    if drafters == "ngram":
+        assert sum(s.accepted for s in by_mode["on"]) >= N_GEN // 2
+
+
+def test_both_drafters_together_and_slot_reuse_keep_greedy_output(
+    model: Model, solo: Callable[[list[int]], list[int]]
+) -> None:
+    spec = speculator(model, "ngram+mtp", 4)
+    for seed in (1, 2):  # the second run reuses the first run's slots
+        requests = [Request(p, N_GEN, speculation="on") for p in prompts(4, seed)]
+        run = generate(spec, requests)
+        assert run.tokens == [solo(r.prompt) for r in requests]
+        assert {d for s in run.stats for d in s.rounds_by_drafter} == {"ngram", "mtp"}
+
+
+def test_seeded_sampling_replays_whatever_else_shares_the_batch(model: Model) -> None:
+    params = SamplingParams(temperature=0.9, top_k=50)
+    mine = Request(prompts(1, 5)[0], N_GEN, params, speculation="on", seed=1234)
+    others = [
+        Request(p, N_GEN, params, speculation=m, seed=i)
+        for i, (p, m) in enumerate(zip(prompts(5, 6), MODES, strict=False))
+    ]
+    alone = generate(speculator(model, "ngram+mtp", 1), [mine]).tokens[0]
+    again = generate(speculator(model, "ngram+mtp", 1), [mine]).tokens[0]
+    batched = generate(speculator(model, "ngram+mtp", 6), [*others, mine]).tokens[-1]
+    assert alone == again == batched
+
+
+def test_telemetry_adds_up(model: Model) -> None:
+    run = generate(
+        speculator(model, "ngram+mtp", 4),
+        [Request(p, N_GEN, speculation="auto") for p in prompts(4, 3)],
+    )
+    for s in run.stats:
+        assert s.steps == sum(s.choices.values())
+        assert s.drafted == sum(k * n for k, n in s.choices.items())
+        assert (
+            s.verify_rounds
+            == sum(n for k, n in s.choices.items() if k)
+            == sum(s.rounds_by_drafter.values())
+        )
+        assert s.accepted == sum(s.accepted_at_depth) <= s.drafted
+        assert all(
+            a >= b for a, b in zip(s.accepted_at_depth, s.accepted_at_depth[1:], strict=False)
+        )
+
+
+def forced_logits(drafts: list[int], accept: int, rng: np.random.Generator) -> mx.array:
+    """Greedy target logits `[k+1, V]` that accept exactly `accept` of `drafts`."""
+    out = np.zeros((len(drafts) + 1, 512), dtype=np.float32)
+    for j, t in enumerate(drafts[:accept]):
+        out[j, t] = 10.0
+    choices = [t for t in range(512) if accept == len(drafts) or t != drafts[accept]]
+    out[accept, int(rng.choice(choices))] = 10.0
+    return mx.array(out)
+
+
+def test_random_verify_rounds_track_a_replay_of_accepted_tokens(model: Model) -> None:
+    """1,000 verify rounds (8 slots x 125 steps), ragged K, forced random accept counts.
+
+    Each speculating slot has a reference slot that is fed only the accepted tokens; at
+    the end their trunk state must match, and the speculating slot's MTP KV must equal
+    the head run afresh over (x_{t+1}, h_t) of the reference's committed sequence.
+    """
+    rng = np.random.default_rng(0)
+    S, steps = 8, 125
+    spec = speculator(model, "mtp", 2 * S, context=8 + steps * (K + 1))
+    runner, pool = spec.runner, spec.runner.pool
+    starts = prompts(S, 9)
+    slots = [pool.allocate() for _ in range(S)]
+    refs = [pool.allocate() for _ in range(S)]
+    rows = [spec.prefill_row(s, p, 0, "on") for s, p in zip(slots, starts, strict=True)]
+    out = runner.step(
+        rows
+        + [
+            Row(r, p, 0, want=range(len(p)), want_hidden=True)
+            for r, p in zip(refs, starts, strict=True)
+        ]
+    ).rows
+    for row, o in zip(rows, out[:S], strict=True):
+        spec.prefilled(row, o)
+    ref_hidden: list[list[mx.array]] = [[o.hidden] for o in out[S:] if o.hidden is not None]
+    states = [
+        DecodingSlot(s, 7, [*p, 7], GREEDY, RequestRng(i), "on")
+        for i, (s, p) in enumerate(zip(slots, starts, strict=True))
+    ]
+    for _ in range(steps):
+        for d in states:
+            d.max_draft = int(rng.integers(0, K + 1))
+        rows = spec.plan(states)
+        real = runner.step(rows).rows
+        accepts = [int(rng.integers(0, len(r.tokens))) for r in rows]
+        forced = [
+            RowOutput(forced_logits(list(r.tokens[1:]), a, rng), o.hidden)
+            for r, a, o in zip(rows, accepts, real, strict=True)
+        ]
+        committed = spec.resolve(states, forced)
+        assert [c.accepted for c in committed] == accepts
+        replay = [
+            Row(
+                ref, list(r.tokens[: a + 1]), pool.lengths[ref], want=range(a + 1), want_hidden=True
+            )
+            for ref, r, a in zip(refs, rows, accepts, strict=True)
+        ]
+        for hidden, o in zip(ref_hidden, runner.step(replay).rows, strict=True):
+            assert o.hidden is not None
+            hidden.append(o.hidden)
+        for d, c in zip(states, committed, strict=True):
+            d.history += c.tokens
+            d.pending = c.tokens[-1]
+    m = [pool.mtp_lengths[s] for s in slots]
+    runner.draft(
+        [
+            DraftRow(ref, d.history[1 : n + 1], mx.concatenate(h)[:n], 0)
+            for ref, d, h, n in zip(refs, states, ref_hidden, m, strict=True)
+        ]
+    )
+    for s, ref, n in zip(slots, refs, m, strict=True):
+        assert pool.lengths[s] - K - 1 <= n < pool.lengths[s]
+        a, b = pool.snapshot(s), pool.snapshot(ref)
+        assert snapshots_equal(a, b, atol=1e-5)
+        assert a.mtp_kv is not None and b.mtp_kv is not None
+        for x, y in zip(a.mtp_kv, b.mtp_kv, strict=True):
+            np.testing.assert_allclose(x, y, rtol=0, atol=1e-4)
+
+
+def test_mtp_drafts_are_the_heads_greedy_chain(model: Model) -> None:
+    """Catch-up over the prompt at (x_{t+1}, h_t) then h' fed back one position further on,
+    as `test_mtp_parity` checks against llama.cpp."""
+    prompt, pending = prompts(2, 4)[1], 7
+    spec = speculator(model, "mtp", 1)
+    slot = spec.runner.pool.allocate()
+    row = spec.prefill_row(slot, prompt, 0, "on")
+    spec.prefilled(row, spec.runner.step([row]).rows[0])
+    d = DecodingSlot(slot, pending, [*prompt, pending], GREEDY, RequestRng(0), "on")
+    drafted = list(spec.plan([d])[0].tokens[1:])
+
+    ref = speculator(model, "", 1).runner
+    s = ref.pool.allocate()
+    out = ref.step([Row(s, prompt, 0, want=range(len(prompt)), want_hidden=True)]).rows[0]
+    assert out.hidden is not None
+    logits, h = ref.draft([DraftRow(s, [*prompt[1:], pending], out.hidden, 0)])[0]
+    chain = [int(mx.argmax(logits[-1]).item())]
+    h = h[-1:]
+    for k in range(1, K):
+        logits, h = ref.draft([DraftRow(s, chain[-1:], h, len(prompt) + k - 1)])[0]
+        chain.append(int(mx.argmax(logits[-1]).item()))
+    assert drafted == chain
+
+
+def test_penalties_see_each_verified_positions_own_history(model: Model) -> None:
+    """Penalised greedy decoding: drafts change what each later position has seen."""
+    params = SamplingParams(temperature=0.0, frequency_penalty=1.0)
+    chosen = prompts(8)[:5]
+
+    def run(mode: str) -> list[list[int]]:
+        requests = [Request(p, N_GEN, params, speculation=mode) for p in chosen]
+        result = generate(speculator(model, "ngram+mtp", 5), requests)
+        if mode == "on":
+            assert sum(s.accepted for s in result.stats) > 0
+        return result.tokens
+
+    assert run("on") == run("off")
