@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 
 from engine.cache import SlotId
 from engine.spec.controller import CostController, Offer
@@ -60,8 +61,8 @@ def test_drafts_deep_when_drafts_are_cheap_and_accepted() -> None:
 def test_backs_off_when_drafts_cost_more_than_they_commit() -> None:
     world = World(alpha=0.1, per_depth=3.0)
     ks = run(CostController(), world, width=2, steps=300)
-    assert ks[-200:].mean() < 0.1  # only the occasional probe
-    assert time_per_token(world, ks[-200:]) < 1.02 * world.base
+    assert (ks[-200:] > 0).mean() < 0.15  # only the occasional retry
+    assert time_per_token(world, ks[-200:]) < 1.05 * world.base
 
 
 def test_the_same_acceptance_pays_at_width_1_but_not_at_width_8() -> None:
@@ -77,13 +78,14 @@ def test_the_same_acceptance_pays_at_width_1_but_not_at_width_8() -> None:
     assert time_per_token(wide, b[-30:]) <= 1.02 * wide.base
 
 
-def test_recovers_when_acceptance_comes_back() -> None:
+@pytest.mark.parametrize("per_depth", [2.0, 5.0])  # 5: a draft of 4 triples the step, as on CPU
+def test_recovers_when_acceptance_comes_back(per_depth: float) -> None:
     ctrl = CostController()
-    world = World(alpha=0.02, per_depth=2.0)
-    assert run(ctrl, world, width=1, steps=200)[-100:].mean() < 0.1
-    world.alpha = 0.95
+    world = World(alpha=0.02, per_depth=per_depth)
+    assert (run(ctrl, world, width=1, steps=200)[-100:] > 0).mean() < 0.15
+    world.alpha = 1.0  # e.g. the text fell into a loop that prompt lookup drafts exactly
     ks = run(ctrl, world, width=1, steps=200, seed=1)
-    assert ks[-50:].mean() >= CAP - 0.5
+    assert ks[-100:].mean() >= CAP - 0.5
 
 
 def test_comes_close_to_the_best_fixed_depth_in_a_middling_world() -> None:

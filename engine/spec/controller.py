@@ -16,14 +16,17 @@ acceptance rate alone.
   (beyond the deepest one, extrapolated along the line from D = 0); with only
   plain decode measured it is taken to cost nothing — so it gets tried.
 * Tokens: a slot drafting k commits 1 + a + a^2 + ... + a^k on average, where a is
-  its per-token acceptance rate with that drafter (an exponentially decayed count
-  of accepted / tried draft tokens, from a prior of 1/2).
+  its per-token acceptance rate with that drafter: (accepted + 1) / (tried + 1)
+  over exponentially decayed counts of its draft tokens — optimistic (1) while
+  there is no evidence, so an untried drafter gets tried.
 * Choice: every "auto" slot whose rate is at least `min_rate` drafts
   min(D, its cap); D is the depth with the most expected tokens per second. A
   width with no plain measurement runs plain first.
-* Recovery: a slot held at K = 0 for `probe_every` of its steps drafts one token
-  (its acceptance estimate would otherwise never move again), and a width that
-  has not run plain for `remeasure_every` steps runs plain once to re-measure.
+* Recovery: while a slot could draft but does not, its counts fade by
+  `idle_decay` a step, so its rate drifts back up until drafting looks worth a
+  try again — soon when drafts are cheap or the rate was marginal, rarely when
+  they are dear and the drafter hopeless (a few percent of steps either way). A width that has not run plain for
+  `remeasure_every` steps runs plain once to re-measure.
 
 Modes per slot: "off" never drafts, "on" always drafts its full cap (so a seeded
 request replays exactly), "auto" follows the controller.
@@ -51,18 +54,23 @@ class Offer:
 
 @dataclass
 class _Rate:
-    """Decayed counts of accepted and tried draft tokens; a = accepted / tried."""
+    """Decayed counts of accepted and tried draft tokens; a = (accepted + 1) / (tried + 1)."""
 
-    accepted: float = 1.0
-    tried: float = 2.0
+    accepted: float = 0.0
+    tried: float = 0.0
 
     def update(self, drafted: int, accepted: int, decay: float) -> None:
-        self.accepted = decay * self.accepted + accepted
-        self.tried = decay * self.tried + accepted + (1 if accepted < drafted else 0)
+        self.fade(decay)
+        self.accepted += accepted
+        self.tried += accepted + (1 if accepted < drafted else 0)
+
+    def fade(self, decay: float) -> None:
+        self.accepted *= decay
+        self.tried *= decay
 
     @property
     def value(self) -> float:
-        return self.accepted / self.tried
+        return (self.accepted + 1.0) / (self.tried + 1.0)
 
 
 @dataclass
@@ -76,11 +84,10 @@ class CostController:
     smoothing: float = 0.2
     decay: float = 0.9
     min_rate: float = 0.1
-    probe_every: int = 16
+    idle_decay: float = 0.98
     remeasure_every: int = 64
     seconds: dict[int, dict[int, float]] = field(default_factory=dict)  # width -> depth -> s
     _rates: dict[tuple[SlotId, str], _Rate] = field(default_factory=dict)
-    _idle: dict[SlotId, int] = field(default_factory=dict)  # steps since the slot drafted
     _since_plain: dict[int, int] = field(default_factory=dict)  # steps since width ran plain
 
     def rate(self, slot: SlotId, drafter: str) -> float:
@@ -116,10 +123,9 @@ class CostController:
         if auto and 0 in self.seconds.get(width, {}) and not stale:
             ks = self._deepen(offers, ks, auto)
         for i in auto:
-            if ks[i] == 0 and self._idle.get(offers[i].slot, 0) >= self.probe_every:
-                ks[i] = 1
-        for o, k in zip(offers, ks, strict=True):
-            self._idle[o.slot] = 0 if k else self._idle.get(o.slot, 0) + 1
+            if ks[i] == 0:
+                key = (offers[i].slot, offers[i].drafter)
+                self._rates.setdefault(key, _Rate()).fade(self.idle_decay)
         return ks
 
     def _deepen(self, offers: Sequence[Offer], ks: list[int], auto: list[int]) -> list[int]:
@@ -157,6 +163,5 @@ class CostController:
 
     def forget(self, slot: SlotId) -> None:
         """The slot's request ended: its acceptance history does not carry over."""
-        self._idle.pop(slot, None)
         for key in [k for k in self._rates if k[0] == slot]:
             del self._rates[key]
