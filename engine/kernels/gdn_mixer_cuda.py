@@ -10,11 +10,12 @@ short conv for the channels they need from the conv state and the new inputs,
 and normalise the head's output through shared memory.
 
 Numerics follow the portable path (f32 throughout, same formulas and order of
-the conv taps); tests compare the two on the GPU.
+the conv taps); tests compare the two on the GPU. Opt-in for now: see `enabled`.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import mlx.core as mx
@@ -126,7 +127,16 @@ _SOURCE = """
 
 _kernels: dict[float, Any] = {}
 
-__all__ = ["available", "gdn_mixer_cuda"]
+
+def enabled() -> bool:
+    """Opt-in (SLOTSERVE_FUSED_GDN=1) on MLX's CUDA backend.
+
+    The kernel matches the portable ops to ~1e-6 on random inputs of every shape
+    tried, including the real head sizes, but one end-to-end comparison through
+    a tiny model with 128-wide heads differed by more than 1e-4 and is not yet
+    explained; until it is, the portable path stays the default.
+    """
+    return available() and os.environ.get("SLOTSERVE_FUSED_GDN") == "1"
 
 
 def gdn_mixer_cuda(

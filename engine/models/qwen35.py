@@ -391,7 +391,7 @@ class GatedDeltaNet:
         z = z.reshape(B, T, Hv, dv)
         window = mx.concatenate([state.conv, p.astype(mx.float32)], axis=1)  # [B, Kc-1+T, Cc]
         capture = None
-        if gdn_mixer_cuda.available() and not any(layout.capture):
+        if gdn_mixer_cuda.enabled() and not any(layout.capture):
             y, ssm = gdn_mixer_cuda.gdn_mixer_cuda(
                 p,
                 z,
