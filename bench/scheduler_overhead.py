@@ -1,0 +1,251 @@
+"""Scheduler host overhead and time to first token, through the real Scheduler.
+
+1. Overhead: N requests (default 32) arrive together; once all have their first
+   token, the decode steps are measured. Per step: wall time (boundary to boundary),
+   time inside `runner.step`, and the host phases around it — speculator planning,
+   sampling (step thread), scheduling + commit and publishing (event loop; publishing
+   overlaps the next forward). Host overhead = 1 - forward / wall.
+2. TTFT: a lone request vs 8 arriving in the same event-loop tick, `--rounds` times
+   each; p50 / p95 over all requests, and the burst's aggregate tokens/s.
+
+    python bench/scheduler_overhead.py [--preset demo] [--n 32] [--compile]
+
+Prints a markdown table; writes JSON to out/bench/scheduler_overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT_DIR = ROOT / "out" / "bench"
+if str(ROOT) not in sys.path:  # `python bench/x.py` puts bench/, not the root, on the path
+    sys.path.insert(0, str(ROOT))
+
+from engine.cache import SlotPool  # noqa: E402
+from engine.gguf import GGUFFile  # noqa: E402
+from engine.models.qwen35 import load_model  # noqa: E402
+from engine.runner import ModelRunner  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
+from engine.writer import preset, write_model  # noqa: E402
+from scheduler import (  # noqa: E402
+    Delta,
+    Request,
+    RequestHandle,
+    Scheduler,
+    SchedulerConfig,
+    Speculation,
+    StepTimes,
+)
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def model_file(preset_name: str, quant: str) -> Path:
+    """The GGUF of a preset, written once into out/bench/ (keyed by its spec)."""
+    spec = dataclasses.replace(preset(preset_name), quant=quant)
+    digest = hashlib.sha256(repr(spec).encode()).hexdigest()[:8]
+    path = OUT_DIR / f"{preset_name}-{quant}-{digest}.gguf"
+    if not path.exists():
+        OUT_DIR.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        write_model(tmp, spec)
+        tmp.replace(path)
+    return path
+
+
+class Bench:
+    def __init__(
+        self, path: Path, dtype: mx.Dtype, n_slots: int, context: int, compile: bool
+    ) -> None:
+        self.model = load_model(path, dtype)
+        self.tokenizer = Tokenizer.from_metadata(GGUFFile(path).metadata, str(path))
+        self.n_slots, self.context, self.compile = n_slots, context, compile
+        self.rng = random.Random(0)
+
+    def scheduler(self) -> Scheduler:
+        pool = SlotPool(self.model.config, self.n_slots, self.context)
+        runner = ModelRunner(self.model, pool, compile=self.compile)
+        config = SchedulerConfig(max_batch_tokens=4096, max_prefill_chunk=512)
+        return Scheduler(runner, self.tokenizer, config)
+
+    def request(self, prompt_len: int, max_tokens: int) -> Request:
+        vocab = self.model.config.n_vocab
+        ids = [self.rng.randrange(0, vocab - 16) for _ in range(prompt_len)]
+        return Request(
+            prompt=ids,
+            sampling=GREEDY,
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            speculation=Speculation.OFF,
+        )
+
+    async def overhead(self, n: int, prompt_len: int, max_tokens: int) -> dict[str, Any]:
+        """Per-step times of the decode phase of n requests that arrive together."""
+        scheduler = self.scheduler()
+        marks: list[StepTimes] = []
+        firsts = 0
+
+        async def consume(handle: RequestHandle) -> None:
+            nonlocal firsts
+            counted = False
+            async for event in handle:
+                if not counted and isinstance(event, Delta) and event.token_ids:
+                    counted, firsts = True, firsts + 1
+                    if firsts == n:  # every request decodes from here on
+                        marks.append(scheduler.stats().times)
+
+        async with scheduler.running():
+            await self._warm(scheduler, n, prompt_len, max_tokens)
+            handles = [scheduler.submit(self.request(prompt_len, max_tokens)) for _ in range(n)]
+            async with anyio.create_task_group() as tg:
+                for h in handles:
+                    tg.start_soon(consume, h)
+            marks.append(scheduler.stats().times)
+        return _per_step(marks[0], marks[1])
+
+    async def _warm(self, scheduler: Scheduler, n: int, prompt_len: int, tokens: int) -> None:
+        """One round of the same shape first, so that compiled step shapes are cached."""
+        handles = [scheduler.submit(self.request(prompt_len, tokens)) for _ in range(n)]
+        for h in handles:
+            await h.collect()
+
+    async def ttft(
+        self, rounds: int, burst: int, prompt_len: int, max_tokens: int
+    ) -> dict[str, float]:
+        """TTFT of a lone request and of `burst` requests submitted in one tick."""
+        scheduler = self.scheduler()
+        lone: list[float] = []
+        crowd: list[float] = []
+        rates: list[float] = []
+        async with scheduler.running():
+            await self._warm(scheduler, burst, prompt_len, max_tokens)
+            await self._warm(scheduler, 1, prompt_len, max_tokens)
+            for _ in range(rounds):
+                done = await scheduler.submit(self.request(prompt_len, max_tokens)).collect()
+                lone.append(_ttft(done.finished.timings.ttft_s))
+                t0 = time.perf_counter()
+                handles = [
+                    scheduler.submit(self.request(prompt_len, max_tokens)) for _ in range(burst)
+                ]
+                results = [await h.collect() for h in handles]
+                wall = time.perf_counter() - t0
+                crowd += [_ttft(r.finished.timings.ttft_s) for r in results]
+                rates.append(sum(len(r.token_ids) for r in results) / wall)
+        return {
+            "lone_p50_ms": _pct(lone, 50) * 1e3,
+            "lone_p95_ms": _pct(lone, 95) * 1e3,
+            "burst_p50_ms": _pct(crowd, 50) * 1e3,
+            "burst_p95_ms": _pct(crowd, 95) * 1e3,
+            "burst_p95_over_lone_p50": _pct(crowd, 95) / _pct(lone, 50),
+            "burst_tokens_per_s": statistics.median(rates),
+        }
+
+
+def _per_step(a: StepTimes, b: StepTimes) -> dict[str, Any]:
+    """Milliseconds per step between two snapshots, and the host share of the wall."""
+    d = {f.name: getattr(b, f.name) - getattr(a, f.name) for f in dataclasses.fields(StepTimes)}
+    steps = max(int(d.pop("steps")), 1)
+    per_step = {k.replace("_s", "_ms"): v / steps * 1e3 for k, v in d.items()}
+    wall = d["wall_s"]
+    return {
+        "steps": steps,
+        **per_step,
+        "host_share": 1 - d["forward_s"] / wall if wall else 0.0,
+    }
+
+
+def _ttft(x: float | None) -> float:
+    assert x is not None, "a request produced no token"
+    return x
+
+
+def _pct(xs: list[float], q: float) -> float:
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, round(q / 100 * (len(ys) - 1)))]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", default="demo")
+    p.add_argument("--quant", default="f32")
+    p.add_argument("--n", type=int, default=32, help="requests decoding together")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
+    p.add_argument("--tokens", type=int, default=64, help="tokens per request")
+    p.add_argument("--burst", type=int, default=8, help="simultaneous arrivals for TTFT")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--compile", action="store_true", help="mx.compile the step per shape")
+    p.add_argument("--json", default=str(OUT_DIR / "scheduler_overhead.json"))
+    args = p.parse_args()
+
+    path = model_file(args.preset, args.quant)
+    dtype = getattr(mx, args.dtype)
+    context = max(args.prompt + args.tokens, args.prompt * 2 + 16) + 8
+    bench = Bench(path, dtype, max(args.n, args.burst), context, args.compile)
+    over = anyio.run(bench.overhead, args.n, args.prompt, args.tokens)
+    ttft = anyio.run(bench.ttft, args.rounds, args.burst, args.prompt * 2, 16)
+    report = {
+        "bench": "scheduler_overhead",
+        "model": path.name,
+        "device": str(mx.default_device()),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
+        "args": vars(args),
+        "overhead": over,
+        "ttft": ttft,
+    }
+    print(table(report))
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {out}")
+
+
+def table(r: dict[str, Any]) -> str:
+    o, t, a = r["overhead"], r["ttft"], r["args"]
+    lines = [
+        f"model {r['model']} ({a['dtype']}) on {r['device']}, compile={a['compile']}",
+        "",
+        f"| N = {a['n']} decode step | ms / step | share of wall |",
+        "|---|---:|---:|",
+    ]
+    for key, label in [
+        ("wall_ms", "wall (boundary to boundary)"),
+        ("forward_ms", "runner.step (forward)"),
+        ("draft_ms", "speculator.plan"),
+        ("sample_ms", "resolve + sampling + logprobs"),
+        ("schedule_ms", "scheduling + commit"),
+        ("publish_ms", "detokenize + stops + publish (overlapped)"),
+    ]:
+        lines.append(f"| {label} | {o[key]:.3f} | {o[key] / o['wall_ms']:.1%} |")
+    lines.append(f"| **host overhead** (wall - forward) | | **{o['host_share']:.1%}** |")
+    lines += [
+        "",
+        f"| TTFT ({a['prompt'] * 2}-token prompts) | p50 ms | p95 ms |",
+        "|---|---:|---:|",
+        f"| one alone | {t['lone_p50_ms']:.1f} | {t['lone_p95_ms']:.1f} |",
+        f"| {a['burst']} at once | {t['burst_p50_ms']:.1f} | {t['burst_p95_ms']:.1f} |",
+        "",
+        f"burst p95 / lone p50 = {t['burst_p95_over_lone_p50']:.2f} (target <= 1.5); "
+        f"burst throughput {t['burst_tokens_per_s']:.0f} tokens/s",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
