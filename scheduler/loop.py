@@ -337,7 +337,7 @@ class Scheduler:
             self._take(seq, [token], logprobs)
         for seq, committed, logprobs in result.decoded:
             if seq.live:
-                seq.count_speculation(committed)
+                seq.spec.record(committed.drafter, committed.drafted, committed.accepted)
                 self._take(seq, committed.tokens, logprobs)
 
     def _take(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob]) -> None:

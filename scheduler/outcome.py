@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
+from engine.spec import speculator
+
 
 class FinishReason(IntEnum):
     STOP = 0  # an end-of-generation token, a stop token id or a stop string
@@ -72,14 +74,29 @@ class Timings:
 
 @dataclass(frozen=True, slots=True)
 class SpecStats:
+    """A request's speculation telemetry (the Speculator's, summed over its decode steps)."""
+
     drafted: int = 0  # draft tokens proposed for this request
     accepted: int = 0  # of which the target accepted
     verify_steps: int = 0  # steps whose row carried drafts
     decode_steps: int = 0  # steps with a decode or verify row
+    accepted_at_depth: tuple[int, ...] = ()  # [d-1]: verify rounds that accepted d drafts or more
+    depth_choices: tuple[tuple[int, int], ...] = ()  # (draft depth K, steps it was chosen)
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @classmethod
+    def of(cls, s: speculator.SpecStats) -> SpecStats:
+        return cls(
+            s.drafted,
+            s.accepted,
+            s.verify_rounds,
+            s.steps,
+            tuple(s.accepted_at_depth),
+            tuple(sorted(s.choices.items())),
+        )
 
 
 @dataclass(frozen=True, slots=True)

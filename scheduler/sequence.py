@@ -18,7 +18,8 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from engine.cache import SlotId
 from engine.sampling import RequestRng
-from engine.spec.speculator import Committed, DecodingSlot
+from engine.spec.speculator import DecodingSlot
+from engine.spec.speculator import SpecStats as SpecRecord
 from engine.tokenizer import Tokenizer
 from scheduler.outcome import (
     Delta,
@@ -60,7 +61,7 @@ class Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     itl_max_s: float = 0.0
-    spec: SpecStats = field(default_factory=SpecStats)
+    spec: SpecRecord = field(default_factory=SpecRecord)  # recorded from each step's Committed
     _unpublished: list[int] = field(default_factory=list)
     _logprobs: list[TokenLogprob] = field(default_factory=list)
 
@@ -87,7 +88,8 @@ class Sequence:
 
     def commit(self, tokens: list[int], logprobs: list[TokenLogprob]) -> None:
         """Take a step's tokens: stop at a stop token or at max_tokens (dropping the rest),
-        and advance the decode state when the sequence goes on."""
+        and advance the decode state when the sequence goes on (`remaining` keeps the
+        Speculator from drafting past max_tokens)."""
         kept: list[int] = []
         for t in tokens:
             if self.committed + len(kept) >= self.prepared.max_tokens:
@@ -103,15 +105,7 @@ class Sequence:
         if self.decoding is not None and self.ending is None:
             self.decoding.history.extend(kept)
             self.decoding.pending = kept[-1]
-
-    def count_speculation(self, c: Committed) -> None:
-        s = self.spec
-        self.spec = SpecStats(
-            drafted=s.drafted + c.drafted,
-            accepted=s.accepted + c.accepted,
-            verify_steps=s.verify_steps + (c.drafted > 0),
-            decode_steps=s.decode_steps + 1,
-        )
+            self.decoding.remaining = self.prepared.max_tokens - self.committed
 
     def take_delta(self, now: float, final: bool = False) -> Delta | None:
         """The committed, unpublished tokens as a Delta (None if there is nothing new).
@@ -168,7 +162,7 @@ class Sequence:
                 itl_max_s=self.itl_max_s if n > 1 else None,
                 total_s=now - t0,
             ),
-            spec=self.spec,
+            spec=SpecStats.of(self.spec),
             matched_stop=self.matched_stop if reason == FinishReason.STOP else None,
             error=error,
         )

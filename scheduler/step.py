@@ -143,12 +143,10 @@ class Stepper:
         return result
 
     def release(self, slots: list[SlotId]) -> None:
-        """Return slots to the pool (and tell the Speculator, if it keeps per-slot state)."""
-        forget = getattr(self.speculator, "release", None)
+        """Return slots to the pool and have the Speculator forget them."""
         for slot in slots:
             self.runner.pool.free(slot)
-            if forget is not None:
-                forget(slot)
+            self.speculator.release(slot)
 
     def _run(self, plan: StepPlan, result: StepResult) -> None:
         self.release(plan.free)
@@ -185,23 +183,16 @@ class Stepper:
         result.sample_s = time.perf_counter() - t2
 
     def _prefill_row(self, chunk: Chunk) -> Row:
-        """The chunk's row, shaped by the Speculator when it follows prefills (`prefill_row`:
-        drafters with state, like the MTP head, may want every position's hidden state)."""
-        slot = _slot(chunk.seq)
-        shape = getattr(self.speculator, "prefill_row", None)
-        if shape is None:
-            return Row(slot, chunk.tokens, chunk.start)
-        row: Row = shape(slot, chunk.tokens, chunk.start, chunk.seq.prepared.request.speculation)
-        return row
+        """The chunk's row, as the Speculator shapes it (drafters with state, like the MTP
+        head, may want every position's hidden state)."""
+        speculation = chunk.seq.prepared.request.speculation
+        return self.speculator.prefill_row(_slot(chunk.seq), chunk.tokens, chunk.start, speculation)
 
     def _prefilled(self, done: list[tuple[Seq, Row, RowOutput]], result: StepResult) -> None:
-        """Report prefill rows that ran to the Speculator (`prefilled`), if it follows them."""
-        report = getattr(self.speculator, "prefilled", None)
-        if report is None:
-            return
+        """Report the prefill rows that ran to the Speculator."""
         for seq, row, output in done:
             try:
-                report(row, output)
+                self.speculator.prefilled(row, output)
             except Exception as e:
                 result.failed.append((seq, _describe(e)))
 

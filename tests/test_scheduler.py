@@ -7,6 +7,7 @@ through a one-slot scheduler on its own (N = 1 runs the same path as N > 1).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -97,10 +98,20 @@ def completion(events: list[Event]) -> Completion:
     )
 
 
+_SOLO: dict[str, Completion] = {}  # plain solo runs by request, shared by the tests
+
+
 async def alone(new: Callable[..., Scheduler], request: Request, **kw: Any) -> Completion:
+    """The request through a one-slot scheduler on its own (plain runs are cached)."""
+    key = None if kw else repr(request)
+    if key in _SOLO:
+        return _SOLO[key]
     scheduler = new(n_slots=1, **kw)
     async with scheduler.running():
-        return completion(await events_of(scheduler.submit(request)))
+        got = completion(await events_of(scheduler.submit(request)))
+    if key is not None:
+        _SOLO[key] = got
+    return got
 
 
 def prompt(rng: random.Random, n: int) -> list[int]:
@@ -139,11 +150,15 @@ def mixed_requests(n: int, seed: int = 0) -> list[Request]:
     ]
 
 
+@pytest.mark.parametrize("speculate", [False, True], ids=["plain", "speculating"])
 async def test_32_staggered_requests_complete_and_each_matches_its_solo_run(
-    new: Callable[..., Scheduler],
+    new: Callable[..., Scheduler], speculate: bool
 ) -> None:
+    """Solo runs decode plainly. Speculating, greedy outputs must still match them (exact
+    acceptance); sampled ones use the random stream differently, so only plain runs
+    compare those."""
     requests = mixed_requests(32)
-    scheduler = new(n_slots=8, max_batch_tokens=96, max_prefill_chunk=32)
+    scheduler = new(n_slots=8, speculate=speculate, max_batch_tokens=96, max_prefill_chunk=32)
     results: dict[str, Completion] = {}
 
     async def one(request: Request, delay: float) -> None:
@@ -157,10 +172,13 @@ async def test_32_staggered_requests_complete_and_each_matches_its_solo_run(
 
     for request in requests:
         got = results[request.request_id or ""]
-        same_output(got, await alone(new, request))
+        if not speculate or request.sampling.greedy:
+            same_output(got, await alone(new, request))
         n = request.sampling.logprobs
         assert [x.token for x in got.logprobs] == (got.token_ids if n else [])
         assert all(len(x.top) == n and x.logprob <= x.top[0][1] + 1e-6 for x in got.logprobs)
+    if speculate:
+        assert sum(r.finished.spec.verify_steps for r in results.values()) > 0
 
 
 async def test_greedy_output_equals_plain_greedy_decoding(
@@ -196,22 +214,29 @@ async def test_steps_may_run_on_any_worker_thread(new: Callable[..., Scheduler])
     threads: set[int] = set()
     rng = random.Random(9)
     requests = [
-        Request(prompt=prompt(rng, 5) * 3, sampling=GREEDY, max_tokens=16, speculation=Speculation.ON)
+        Request(
+            prompt=prompt(rng, 5) * 3, sampling=GREEDY, max_tokens=16, speculation=Speculation.ON
+        )
         for _ in range(3)
     ]
     scheduler = new(n_slots=3, speculate=True, fault_hook=lambda _: threads.add(get_ident()))
+    rounds: list[list[Completion]] = []
+
+    async def busy() -> None:
+        while True:
+            await anyio.to_thread.run_sync(time.sleep, 0.0005)
+
     async with scheduler.running(), anyio.create_task_group() as tg:
-
-        async def busy() -> None:
-            while len(threads) < 4:
-                await anyio.to_thread.run_sync(time.sleep, 0.0005)
-
         tg.start_soon(busy)
-        results = [await scheduler.submit(r).collect() for r in requests]
+        while len(threads) < 2 and len(rounds) < 10:
+            handles = [scheduler.submit(r) for r in requests]
+            rounds.append([await h.collect() for h in handles])
         tg.cancel_scope.cancel()
     assert len(threads) > 1
-    for request, result in zip(requests, results, strict=True):
-        same_output(result, await alone(new, request, speculate=True))
+    for i, request in enumerate(requests):
+        solo = await alone(new, request, speculate=True)
+        for results in rounds:
+            same_output(results[i], solo)
 
 
 # -- cancellation -------------------------------------------------------------------------------
@@ -276,7 +301,7 @@ async def test_cancel_mid_decode_or_verify_frees_the_slot_and_leaves_others_unaf
         kept = [completion(await events_of(h)) for h in handles]
     assert final.reason == FinishReason.CANCELLED
     assert 3 <= final.usage.completion_tokens < 100
-    if speculate and getattr(scheduler._stepper.speculator, "drafters", None):
+    if speculate:
         assert final.spec.verify_steps > 0  # it was cancelled between verify rounds
     assert not scheduler.cancel(h_victim.request_id)  # already over
     for request, result in zip(others, kept, strict=True):
@@ -351,12 +376,13 @@ async def test_a_low_priority_request_completes_under_sustained_high_priority_lo
         admitted_highs.append(r.request_id or "")
 
     async def flood() -> None:
-        for i in range(400):
-            if low_done.is_set():
-                return
-            if scheduler.stats().waiting < 4:
-                tg.start_soon(high, i)
-            await anyio.sleep(0.002)
+        with anyio.move_on_after(10.0):
+            for i in itertools.count():
+                if low_done.is_set():
+                    return
+                if scheduler.stats().waiting < 4:
+                    tg.start_soon(high, i)
+                await anyio.sleep(0.002)
         raise AssertionError("the low-priority request starved")
 
     async with scheduler.running(), anyio.create_task_group() as tg:
@@ -431,6 +457,17 @@ async def test_stop_strings_across_token_boundaries_are_cut_exactly_and_never_st
     assert completion(events).token_ids == full.token_ids[: len(completion(events).token_ids)]
 
 
+async def test_a_stop_token_id_ends_the_request_after_it(new: Callable[..., Scheduler]) -> None:
+    base = Request(prompt=prompt(random.Random(7), 12), sampling=GREEDY, max_tokens=20)
+    full = await alone(new, dataclasses.replace(base, ignore_eos=True))
+    stop = full.token_ids[6]
+    got = await alone(new, dataclasses.replace(base, ignore_eos=True, stop_token_ids=(stop,)))
+    cut = full.token_ids.index(stop) + 1
+    assert got.token_ids == full.token_ids[:cut]  # the stop token is reported, and nothing after
+    assert got.finished.reason == FinishReason.STOP and got.finished.matched_stop == stop
+    assert full.text.startswith(got.text)
+
+
 # -- deadlines, faults, shutdown ----------------------------------------------------------------
 
 
@@ -439,11 +476,11 @@ async def test_a_deadline_ends_the_request_with_what_it_produced(
 ) -> None:
     scheduler = new(n_slots=1)
     async with scheduler.running():
-        r = Request(prompt=[1, 2, 3], max_tokens=150, ignore_eos=True, deadline_s=0.1)
+        r = Request(prompt=[1, 2, 3], max_tokens=150, ignore_eos=True, deadline_s=0.2)
         got = await scheduler.submit(r).collect()
     assert got.finished.reason == FinishReason.DEADLINE
-    assert 0 < len(got.token_ids) < 150
-    assert got.finished.timings.total_s == pytest.approx(0.1, abs=0.1)
+    assert len(got.token_ids) < 150
+    assert 0.2 <= got.finished.timings.total_s < 2.0  # ends at the first step boundary after
 
 
 async def test_a_row_fault_ends_only_its_request_and_serving_goes_on(
