@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, TypeVar
@@ -66,10 +65,6 @@ class WaitQueue(Generic[T]):
 
     def __len__(self) -> int:
         return len(self._heap)
-
-    def __iter__(self) -> Iterator[T]:
-        """Items in no particular order."""
-        return (e.item for e in self._heap)
 
     def push(self, item: T, priority: int, now: float) -> None:
         """Queue `item`, or raise Rejected(QUEUE_FULL) with a retry-after hint."""

@@ -4,9 +4,11 @@ A `Sequence` moves WAITING -> PREFILL -> DECODE and ends DONE. Tokens arrive in 
 beats: `commit` (right after the step, on the token ids alone: stop tokens,
 max_tokens) decides whether the sequence runs in the next step; `take_delta`
 (possibly while the next step already runs) turns them into text, applies stop
-strings and builds the `Delta`. Only the event loop touches a Sequence, except
-`decoding`, `slot` and `prefilled`, which the step thread reads (and `slot`, which
-it sets on admission) while the loop waits for it.
+strings and builds the `Delta`.
+
+Threads: the step thread reads `prompt`, `prefilled` and `decoding`, draws from `rng`
+and sets `slot` on admission; meanwhile the loop touches only what publishing needs
+(the unpublished tokens, text state, `output`, timings, `ending`, `phase`).
 """
 
 from __future__ import annotations

@@ -21,11 +21,6 @@ class StepTimes:
     schedule_s: float = 0.0  # deadlines, reaping, admission, plan, commit (event loop)
     publish_s: float = 0.0  # detokenize, stop strings, deltas (overlaps the next forward)
 
-    @property
-    def host_share(self) -> float:
-        """Share of step wall time outside the forward."""
-        return 1.0 - self.forward_s / self.wall_s if self.wall_s else 0.0
-
 
 @dataclass(frozen=True)
 class SchedulerStats:
