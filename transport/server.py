@@ -1,0 +1,412 @@
+"""The server side of docs/PROTOCOL.md: one ROUTER socket in the scheduler's event loop.
+
+Per connection (a ZeroMQ routing id that said Hello) the server keeps a session:
+its outstanding requests, an outbox for messages the peer's pipe could not take,
+and the deltas of the current step. Each accepted request gets a task that reads
+the scheduler's handle; a flusher sends, per connection, ONE Deltas message with
+everything a step produced, then any terminal messages.
+
+Nothing a client sends can crash the server: frames are decoded by type, a bad
+one gets an Error (or is dropped when even that cannot be sent) and is counted.
+A connection is dropped, and its requests cancelled, when its socket closes
+(seen at once through the socket monitor), when it stays silent past the
+heartbeat timeout, or when it says Bye or Hello again. A connection whose
+outbox overflows (a slow consumer) has its requests cancelled with an error, so
+the scheduler never waits for a reader.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import msgspec
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+import scheduler as s
+from transport import mapping
+from transport import protocol as p
+from transport.sockets import AsyncSocket, CurveServer, bind
+
+log = logging.getLogger("slotserve.transport")
+
+SERVER_NAME = "slotserve/0.1"
+RESEND_INTERVAL_S = 0.01  # how often full outboxes are retried
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """`max_outstanding`: requests in flight per connection. `send_buffer`: messages held for
+    one connection beyond ZeroMQ's own pipe (`zmq_sndhwm` messages) before its requests are
+    cancelled. `heartbeat_timeout_s`: silence after which a connection is dropped."""
+
+    endpoints: tuple[str, ...] = ("tcp://127.0.0.1:5555",)
+    max_outstanding: int = 64
+    send_buffer: int = 256
+    zmq_sndhwm: int = 1000
+    max_message_bytes: int = 4 << 20
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 3.0
+    curve: CurveServer | None = None
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise ValueError("ServerConfig needs at least one endpoint")
+        if min(self.max_outstanding, self.send_buffer, self.zmq_sndhwm) < 1:
+            raise ValueError("max_outstanding, send_buffer and zmq_sndhwm must be >= 1")
+        if self.max_message_bytes < 1024:
+            raise ValueError("max_message_bytes must be >= 1024")
+        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
+            raise ValueError("need 0 < heartbeat_interval_s < heartbeat_timeout_s")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What Welcome tells a client about the model."""
+
+    name: str
+    context_length: int
+    vocab_size: int  # prompt token ids must lie in [0, vocab_size)
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def of(cls, scheduler: s.Scheduler, name: str) -> ModelInfo:
+        pool = scheduler.runner.pool
+        eos = tuple(sorted(scheduler.tokenizer.eog_ids))
+        return cls(name, pool.max_context, pool.config.n_vocab, eos)
+
+
+@dataclass(eq=False)
+class _Session:
+    identity: bytes
+    number: int  # unique per session: scheduler request ids are "number/request_id"
+    fd: int  # the connection's socket, to match disconnect events
+    last_seen: float
+    requests: dict[int, s.RequestHandle] = field(default_factory=dict)
+    outbox: deque[bytes] = field(default_factory=deque)
+    deltas: list[p.Delta] = field(default_factory=list)  # this step's, not yet sent
+    terminals: list[p.Finished | p.Error] = field(default_factory=list)  # sent after deltas
+    closed: bool = False  # dropped: nothing more is sent
+    cancel_note: str | None = None  # why the server cancelled this session's requests
+
+
+class Server:
+    """Serves one Scheduler over ZeroMQ; `async with server.running() as endpoints:`.
+
+    Runs in the scheduler's event loop and calls it directly (submit, cancel,
+    stats). `state` is what Pong and Stats report; STARTING answers Generate with
+    BUSY, DRAINING with SHUTTING_DOWN.
+    """
+
+    def __init__(self, scheduler: s.Scheduler, model: ModelInfo, config: ServerConfig) -> None:
+        self.scheduler = scheduler
+        self.model = model
+        self.config = config
+        self.state = p.ServerState.READY
+        self.frames_received = 0
+        self.frames_rejected = 0
+        self.slow_consumers = 0
+        self.dead_clients = 0
+        self._sessions: dict[bytes, _Session] = {}
+        self._by_fd: dict[int, _Session] = {}
+        self._numbers = 0
+        self._dirty: dict[_Session, None] = {}  # sessions with something to flush, in order
+        self._flush_wanted = anyio.Event()
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[list[str]]:
+        """Bind, serve for the body of the `async with`, then cancel what is left and close.
+        Yields the bound endpoints (tcp port 0 resolved)."""
+        cfg = self.config
+        ctx: zmq.Context[Any] = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        monitor: zmq.Socket[Any] | None = None
+        auth = None
+        try:
+            auth = cfg.curve.apply(ctx, sock) if cfg.curve else None
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
+            sock.setsockopt(zmq.SNDHWM, cfg.zmq_sndhwm)
+            sock.setsockopt(zmq.LINGER, 0)
+            # ZMTP pings drop dead tcp peers; the disconnect then reaches the monitor.
+            sock.setsockopt(zmq.HEARTBEAT_IVL, round(cfg.heartbeat_interval_s * 1000))
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(cfg.heartbeat_timeout_s * 1000))
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            endpoints = [bind(sock, e) for e in cfg.endpoints]
+            self._sock, self._monitor = AsyncSocket(sock), AsyncSocket(monitor)
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._receive_loop)
+                tg.start_soon(self._watch_disconnects)
+                tg.start_soon(self._flush_loop)
+                tg.start_soon(self._housekeeping)
+                try:
+                    yield endpoints
+                finally:
+                    for session in list(self._sessions.values()):
+                        self._drop(session)
+                    tg.cancel_scope.cancel()
+        finally:
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close(linger=0)
+            sock.close(linger=0)
+            if auth is not None:
+                auth.stop()
+            ctx.term()
+
+    # -- receiving ----------------------------------------------------------------------------
+    async def _receive_loop(self) -> None:
+        while True:
+            for _ in range(64):  # then let the other tasks run, even under a flood
+                frames = await self._sock.recv_frames()
+                try:
+                    self._on_frames(frames)
+                except Exception:  # a bug must not take the server down with it
+                    log.exception("unexpected failure handling a frame")
+            await anyio.lowlevel.checkpoint()
+
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        self.frames_received += 1
+        identity = frames[0].bytes
+        session = self._sessions.get(identity)
+        if session is not None:
+            session.last_seen = time.monotonic()
+        if len(frames) != 2:
+            self._reject_frame(identity, session, f"expected 1 frame, got {len(frames) - 1}")
+            return
+        try:
+            msg = p.decode_client(frames[1].buffer)
+        except msgspec.DecodeError as e:
+            self._reject_frame(identity, session, f"malformed message: {e}")
+            return
+        if isinstance(msg, p.Hello):
+            self._hello(identity, msg, frames[1])
+        elif session is None:
+            rid = msg.request_id if isinstance(msg, p.Generate) else None
+            self._reply(identity, p.Error(p.ErrorCode.NO_SESSION, "send Hello first", rid))
+        elif isinstance(msg, p.Generate):
+            self._generate(session, msg)
+        elif isinstance(msg, p.Cancel):
+            handle = session.requests.get(msg.request_id)
+            if handle is not None:
+                handle.cancel()
+        elif isinstance(msg, p.Ping):
+            self._send(session, p.encode(p.Pong(msg.nonce, self.state)))
+        elif isinstance(msg, p.GetStats):
+            self._send(session, p.encode(self.stats()))
+        else:  # Bye
+            self._drop(session)
+
+    def _reject_frame(self, identity: bytes, session: _Session | None, why: str) -> None:
+        self.frames_rejected += 1
+        error = p.Error(p.ErrorCode.INVALID_REQUEST, why)
+        if session is not None:
+            self._send(session, p.encode(error))
+        else:
+            self._reply(identity, error)
+
+    def _hello(self, identity: bytes, msg: p.Hello, frame: zmq.Frame) -> None:
+        if msg.major != p.PROTOCOL_MAJOR:
+            why = f"protocol {msg.major}.x is not served; this server speaks {p.PROTOCOL_MAJOR}.x"
+            self._reply(identity, p.Error(p.ErrorCode.INVALID_REQUEST, why))
+            return
+        old = self._sessions.get(identity)
+        if old is not None:
+            self._drop(old)
+        fd = int(frame.get(zmq.SRCFD))
+        if fd in self._by_fd:
+            # The fd was closed and reused, so its disconnect event is already queued.
+            self._drain_monitor()
+            if fd in self._by_fd:
+                self._drop(self._by_fd[fd])
+        self._numbers += 1
+        session = _Session(identity, self._numbers, fd, time.monotonic())
+        self._sessions[identity] = self._by_fd[fd] = session
+        cfg, model = self.config, self.model
+        welcome = p.Welcome(
+            p.PROTOCOL_MAJOR,
+            p.PROTOCOL_MINOR,
+            SERVER_NAME,
+            model.name,
+            model.context_length,
+            model.vocab_size,
+            list(model.eos_token_ids),
+            cfg.max_outstanding,
+            cfg.max_message_bytes,
+            round(cfg.heartbeat_interval_s * 1000),
+            round(cfg.heartbeat_timeout_s * 1000),
+        )
+        self._send(session, p.encode(welcome))
+
+    def _generate(self, session: _Session, msg: p.Generate) -> None:
+        rid = msg.request_id
+        error: p.Error | None = None
+        if self.state == p.ServerState.STARTING:
+            error = p.Error(p.ErrorCode.BUSY, "the server is starting", rid, 1000)
+        elif self.state == p.ServerState.DRAINING:
+            error = p.Error(p.ErrorCode.SHUTTING_DOWN, "the server is draining", rid)
+        elif session.cancel_note is not None:
+            error = p.Error(p.ErrorCode.BUSY, session.cancel_note, rid)
+        elif rid in session.requests:
+            # Not this request's terminal message: the one in flight goes on.
+            error = p.Error(p.ErrorCode.INVALID_REQUEST, f"request_id {rid} is already in flight")
+        elif len(session.requests) >= self.config.max_outstanding:
+            why = f"{self.config.max_outstanding} requests outstanding; wait for one to end"
+            error = p.Error(p.ErrorCode.BUSY, why, rid)
+        if error is not None:
+            self._send(session, p.encode(error))
+            return
+        try:
+            handle = self.scheduler.submit(mapping.to_request(msg, f"{session.number}/{rid}"))
+        except (s.InvalidRequest, s.Rejected) as e:
+            self._send(session, p.encode(mapping.rejection(rid, e)))
+            return
+        session.requests[rid] = handle
+        self._send(session, p.encode(p.Accepted(rid, handle.prompt_tokens)))
+        self._tg.start_soon(self._stream, session, rid, handle)
+
+    # -- streaming ----------------------------------------------------------------------------
+    async def _stream(self, session: _Session, rid: int, handle: s.RequestHandle) -> None:
+        """Move one request's events into its session's step batch, until its terminal."""
+        async for event in handle:
+            if isinstance(event, s.Delta):
+                if not session.closed:
+                    session.deltas.append(mapping.to_delta(rid, event))
+            else:
+                del session.requests[rid]
+                terminal = mapping.to_terminal(rid, event)
+                if session.closed:
+                    return
+                if session.cancel_note and getattr(terminal, "code", None) == p.ErrorCode.CANCELLED:
+                    terminal = p.Error(p.ErrorCode.CANCELLED, session.cancel_note, rid)
+                session.terminals.append(terminal)
+            if not session.closed:
+                self._dirty[session] = None
+                self._flush_wanted.set()
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await self._flush_wanted.wait()
+            self._flush_wanted = anyio.Event()
+            # Let every stream task woken by the same step add its delta first.
+            await anyio.lowlevel.checkpoint()
+            dirty, self._dirty = self._dirty, {}
+            for session in dirty:
+                if session.deltas:
+                    self._send(session, p.encode(p.Deltas(session.deltas)))
+                    session.deltas = []
+                terminals, session.terminals = session.terminals, []
+                for terminal in terminals:
+                    self._send(session, p.encode(terminal))
+
+    # -- sending ------------------------------------------------------------------------------
+    def _send(self, session: _Session, payload: bytes) -> None:
+        """Send in order; what the peer's pipe cannot take waits in its outbox. An outbox
+        past `send_buffer` marks a slow consumer."""
+        if session.closed:
+            return
+        if not session.outbox and self._try_send(session, payload):
+            return
+        session.outbox.append(payload)
+        if len(session.outbox) > self.config.send_buffer and session.cancel_note is None:
+            self.slow_consumers += 1
+            session.cancel_note = (
+                f"slow consumer: {self.config.send_buffer} messages waiting to be read"
+            )
+            for handle in list(session.requests.values()):
+                handle.cancel()
+
+    def _try_send(self, session: _Session, payload: bytes) -> bool:
+        try:
+            self._sock.send([session.identity, payload])
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            if e.errno != errno.EHOSTUNREACH:
+                raise
+            self._drop(session, dead=True)  # disconnected; the outbox goes with it
+        return True
+
+    def _resend(self, session: _Session) -> None:
+        """Send what the outbox holds; once it is empty, a slow consumer is served again."""
+        while session.outbox and not session.closed:
+            if not self._try_send(session, session.outbox[0]):
+                return
+            if session.outbox:
+                session.outbox.popleft()
+        session.cancel_note = None
+
+    def _reply(self, identity: bytes, message: p.Error) -> None:
+        """Best effort to a peer without a session: dropped if it cannot be sent now."""
+        with suppress(zmq.ZMQError):
+            self._sock.send([identity, p.encode(message)])
+
+    # -- liveness -----------------------------------------------------------------------------
+    async def _housekeeping(self) -> None:
+        """Retry outboxes; drop sessions silent past the heartbeat timeout."""
+        tick = self.config.heartbeat_interval_s / 4
+        while True:
+            backlog = any(session.outbox for session in self._sessions.values())
+            await anyio.sleep(RESEND_INTERVAL_S if backlog else tick)
+            deadline = time.monotonic() - self.config.heartbeat_timeout_s
+            for session in list(self._sessions.values()):
+                if session.last_seen < deadline:
+                    log.info("session %d: silent past the heartbeat timeout", session.number)
+                    self._drop(session, dead=True)
+                else:
+                    self._resend(session)
+
+    async def _watch_disconnects(self) -> None:
+        while True:
+            self._on_monitor_event(await self._monitor.recv_bytes())
+
+    def _drain_monitor(self) -> None:
+        while True:
+            try:
+                frames = self._monitor.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._on_monitor_event(frames)
+
+    def _on_monitor_event(self, frames: list[bytes]) -> None:
+        event = parse_monitor_message(frames)
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            session = self._by_fd.get(int(event["value"]))
+            if session is not None:
+                self._drop(session, dead=True)
+
+    def _drop(self, session: _Session, dead: bool = False) -> None:
+        """Forget a session and cancel its requests; nothing more is sent to it."""
+        if session.closed:
+            return
+        session.closed = True
+        session.outbox.clear()
+        self.dead_clients += dead
+        if self._sessions.get(session.identity) is session:
+            del self._sessions[session.identity]
+        if self._by_fd.get(session.fd) is session:
+            del self._by_fd[session.fd]
+        for handle in list(session.requests.values()):
+            handle.cancel()
+
+    def stats(self) -> p.Stats:
+        return p.Stats(
+            state=self.state,
+            clients=len(self._sessions),
+            frames_received=self.frames_received,
+            frames_rejected=self.frames_rejected,
+            slow_consumers=self.slow_consumers,
+            dead_clients=self.dead_clients,
+            **mapping.scheduler_counters(self.scheduler.stats()),
+        )
