@@ -38,7 +38,7 @@ from engine.tokenizer import Tokenizer
 from scheduler.admission import MemoryBudget
 from scheduler.config import SchedulerConfig
 from scheduler.handle import RequestHandle
-from scheduler.outcome import Event, FinishReason, TokenLogprob
+from scheduler.outcome import Delta, Event, FinishReason, TokenLogprob
 from scheduler.queue import Rejected, RejectReason, WaitQueue
 from scheduler.request import DuplicateRequestId, Request, Speculation, prepare
 from scheduler.sequence import Phase, Sequence
@@ -341,9 +341,7 @@ class Scheduler:
                 self._take(seq, committed.tokens, logprobs)
 
     def _take(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob]) -> None:
-        before = seq.committed
         seq.commit(tokens, logprobs)
-        self._counters.generated_tokens += seq.committed - before
         self._unpublished.append(seq)
 
     def _publish(self) -> None:
@@ -360,7 +358,7 @@ class Scheduler:
             except Exception as e:  # e.g. a token the tokenizer cannot print
                 self._finish(seq, FinishReason.ERROR, f"{type(e).__name__}: {e}")
                 continue
-            if delta is not None and not self._send(seq.events, delta):
+            if delta is not None and not self._deliver(seq, delta):
                 self._finish(seq, FinishReason.CANCELLED)
             elif seq.ending is not None:
                 self._finish(seq, seq.ending)
@@ -376,12 +374,16 @@ class Scheduler:
         now = time.monotonic()
         delta = seq.take_delta(now, final=True)
         if delta is not None:
-            self._send(seq.events, delta)
+            self._deliver(seq, delta)
         final = seq.finished(reason if seq.ending is None else seq.ending, now, error)
         self._send(seq.events, final)
         seq.events.close()
         del self._seqs[seq.id]
         self._counters.finished[final.reason] += 1
+
+    def _deliver(self, seq: Sequence, delta: Delta) -> bool:
+        self._counters.generated_tokens += len(delta.token_ids)
+        return self._send(seq.events, delta)
 
     @staticmethod
     def _send(events: MemoryObjectSendStream[Event], event: Event) -> bool:

@@ -33,7 +33,7 @@ class SchedulerStats:
     rejected: int
     finished: dict[FinishReason, int]
     prompt_tokens: int  # prompt tokens prefilled
-    generated_tokens: int  # tokens committed to requests
+    generated_tokens: int  # tokens delivered to requests (in Deltas)
     times: StepTimes = field(default_factory=StepTimes)
 
 

@@ -168,7 +168,10 @@ async def test_32_staggered_requests_complete_and_each_matches_its_solo_run(
     async with scheduler.running(), anyio.create_task_group() as tg:
         for i, request in enumerate(requests):
             tg.start_soon(one, request, 0.004 * i)
-    assert scheduler.stats().finished.keys() <= {FinishReason.STOP, FinishReason.LENGTH}
+    stats = scheduler.stats()
+    assert stats.finished.keys() <= {FinishReason.STOP, FinishReason.LENGTH}
+    assert stats.generated_tokens == sum(len(r.token_ids) for r in results.values())
+    assert stats.prompt_tokens == sum(r.finished.usage.prompt_tokens for r in results.values())
 
     for request in requests:
         got = results[request.request_id or ""]
