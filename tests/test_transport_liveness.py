@@ -1,4 +1,7 @@
-"""Liveness: a killed client process, a silent client, a client that stops reading."""
+"""Liveness: a killed client process, a silent client, a client that stops reading.
+
+None of them may hold slots or stall the engine: their requests end and their slots free.
+"""
 
 from __future__ import annotations
 
@@ -97,3 +100,31 @@ async def test_a_silent_client_is_dropped_after_the_heartbeat_timeout(
     assert 0.2 < dropped_s < 1.0  # the 0.3 s timeout, a check interval and slack
     assert stats.dead_clients == 1 and stats.failed == 1
     assert reply.code == p.ErrorCode.NO_SESSION
+
+
+async def test_a_client_that_stops_reading_has_its_requests_cancelled_not_the_engine_stalled(
+    tiny: Tiny,
+) -> None:
+    config = {"send_buffer": 4, "zmq_sndhwm": 4}
+    async with serve(tiny, ["tcp://127.0.0.1:0"], **config) as (server, (address,)):
+        reader = RawPeer(address, rcvhwm=1, rcvbuf=4096)
+        await reader.hello()
+        for rid in range(8):  # big Deltas: 20 log-probabilities per token
+            prompt = p.TokenPrompt([rid + 1, 2])
+            reader.send(p.Generate(rid, prompt, max_tokens=150, ignore_eos=True, logprobs=20))
+        await until(lambda: server.stats().slow_consumers == 1, timeout=10)
+        await until(lambda: idle(server, 8), timeout=2)
+        stalled = server.stats()
+        with anyio.fail_after(10):  # reading again: everything sent, then one error per request
+            ends: dict[int, p.Finished | p.Error] = {}
+            while len(ends) < 8:
+                if isinstance(m := await reader.recv(), p.Finished | p.Error):
+                    assert m.request_id is not None
+                    ends[m.request_id] = m
+            reader.send(p.Generate(99, p.TokenPrompt([1]), max_tokens=2))
+            while not isinstance(m := await reader.recv(), p.Finished):
+                pass
+        reader.close()
+    assert stalled.failed == 8 and stalled.generated_tokens < 8 * 150
+    assert all(isinstance(e, p.Error) and e.code == p.ErrorCode.CANCELLED for e in ends.values())
+    assert all("slow consumer" in e.message for e in ends.values() if isinstance(e, p.Error))
