@@ -119,3 +119,14 @@ def test_unmeasured_depths_are_interpolated_from_measured_ones() -> None:
     ctrl.observe_step(3, 4, 0.018)
     assert [round(ctrl.predict(3, d) or 0, 6) for d in (2, 6)] == [0.014, 0.022]
     assert ctrl.predict(5, 1) is None
+
+
+def test_a_new_request_starts_from_the_drafters_record() -> None:
+    ctrl = CostController()
+    run(ctrl, World(alpha=0.0, per_depth=2.0), width=1, steps=100)
+    ctrl.forget(SlotId(0))
+    assert ctrl.choose([Offer(SlotId(1), "mtp", CAP)]) == [0]  # not re-tried in full
+    ctrl = CostController()
+    run(ctrl, World(alpha=0.95, per_depth=2.0), width=1, steps=100)
+    ctrl.forget(SlotId(0))
+    assert ctrl.choose([Offer(SlotId(1), "mtp", CAP)]) == [CAP]

@@ -18,7 +18,10 @@ acceptance rate alone.
 * Tokens: a slot drafting k commits 1 + a + a^2 + ... + a^k on average, where a is
   its per-token acceptance rate with that drafter: (accepted + 1) / (tried + 1)
   over exponentially decayed counts of its draft tokens — optimistic (1) while
-  there is no evidence, so an untried drafter gets tried.
+  there is no evidence, so an untried drafter gets tried. A new request starts
+  from what the drafter did for earlier ones (their pooled counts, worth at most
+  `prior_weight` draft tokens), so a drafter that never pays is not re-tried in
+  full by every request.
 * Choice: every "auto" slot whose rate is at least `min_rate` drafts
   min(D, its cap); D is the depth with the most expected tokens per second. A
   width with no plain measurement runs plain first.
@@ -68,6 +71,11 @@ class _Rate:
         self.accepted *= decay
         self.tried *= decay
 
+    def scaled(self, tried: float) -> _Rate:
+        """The same rate from counts worth at most `tried` draft tokens."""
+        s = min(1.0, tried / self.tried) if self.tried else 1.0
+        return _Rate(self.accepted * s, self.tried * s)
+
     @property
     def value(self) -> float:
         return (self.accepted + 1.0) / (self.tried + 1.0)
@@ -84,16 +92,24 @@ class CostController:
     smoothing: float = 0.2
     decay: float = 0.9
     min_rate: float = 0.1
+    prior_weight: float = 8.0
     idle_decay: float = 0.98
     remeasure_every: int = 64
     seconds: dict[int, dict[int, float]] = field(default_factory=dict)  # width -> depth -> s
     _rates: dict[tuple[SlotId, str], _Rate] = field(default_factory=dict)
+    _pooled: dict[str, _Rate] = field(default_factory=dict)  # per drafter, all slots
     _since_plain: dict[int, int] = field(default_factory=dict)  # steps since width ran plain
 
     def rate(self, slot: SlotId, drafter: str) -> float:
         """Estimated chance that the slot's next draft token from `drafter` is accepted."""
-        r = self._rates.get((slot, drafter))
-        return r.value if r is not None else _Rate().value
+        return self._rate(slot, drafter).value
+
+    def _rate(self, slot: SlotId, drafter: str) -> _Rate:
+        key = (slot, drafter)
+        if key not in self._rates:
+            pooled = self._pooled.get(drafter)
+            self._rates[key] = pooled.scaled(self.prior_weight) if pooled else _Rate()
+        return self._rates[key]
 
     def expected_tokens(self, slot: SlotId, drafter: str, k: int) -> float:
         """Tokens a step with k drafts is expected to commit for the slot (1 + a + ... + a^k)."""
@@ -124,8 +140,7 @@ class CostController:
             ks = self._deepen(offers, ks, auto)
         for i in auto:
             if ks[i] == 0:
-                key = (offers[i].slot, offers[i].drafter)
-                self._rates.setdefault(key, _Rate()).fade(self.idle_decay)
+                self._rate(offers[i].slot, offers[i].drafter).fade(self.idle_decay)
         return ks
 
     def _deepen(self, offers: Sequence[Offer], ks: list[int], auto: list[int]) -> list[int]:
@@ -159,7 +174,8 @@ class CostController:
 
     def observe_round(self, slot: SlotId, drafter: str, drafted: int, accepted: int) -> None:
         """A verify round of the slot accepted `accepted` of `drafted` tokens from `drafter`."""
-        self._rates.setdefault((slot, drafter), _Rate()).update(drafted, accepted, self.decay)
+        self._rate(slot, drafter).update(drafted, accepted, self.decay)
+        self._pooled.setdefault(drafter, _Rate()).update(drafted, accepted, self.decay)
 
     def forget(self, slot: SlotId) -> None:
         """The slot's request ended: its acceptance history does not carry over."""
