@@ -135,18 +135,21 @@ class MTPDrafter(Drafter):
     """Drafts with the model's MTP head, all slots of a step in one `runner.draft` per depth.
 
     Per slot it follows the trunk's post-norm hidden states (`observe`) from the first
-    prefill chunk on (`begin`); a slot it has not followed from there gets no drafts. A step's first draft call catches the MTP KV up — one row per slot
-    with tokens x_{t+1} and hiddens h_t for every position not fed yet, at position t —
-    and its last row predicts the first draft token. Deeper drafts feed the head its own
-    h' and token at the next position; those entries are provisional and are overwritten
-    by the next catch-up, so the pool's MTP length never counts them past a step
-    (`observe` truncates). Slots that do not draft this step ride along in the catch-up
-    call when one runs anyway, or when their backlog reaches `max_backlog`.
+    prefill chunk on (`begin`); a slot it has not followed from there gets no drafts.
+    A step's first draft call catches the MTP KV up — one row per slot with tokens
+    x_{t+1} and hiddens h_t for every position not fed yet, at position t — and its last
+    row predicts the first draft token. Deeper drafts feed the head its own h' and token
+    at the next position; those entries are provisional and are overwritten by the next
+    catch-up, so the pool's MTP length never counts them past a step (`observe`
+    truncates). Slots that do not draft this step ride along in the catch-up call when
+    one runs anyway, or when one's backlog reaches `max_backlog` positions: that bounds
+    the hidden states held per slot and the latency of a later catch-up, at the cost of
+    one head forward over the backlog (about 1/n_layer of the trunk's work on it).
     """
 
     name = "mtp"
 
-    def __init__(self, runner: ModelRunner, max_backlog: int = 64) -> None:
+    def __init__(self, runner: ModelRunner, max_backlog: int = 256) -> None:
         if runner.model.mtp is None:
             raise ValueError(f"{runner.model.path}: this model has no MTP head to draft with")
         self.runner = runner
