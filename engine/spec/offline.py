@@ -31,13 +31,20 @@ class Request:
 
 @dataclass
 class Run:
-    """Per request its tokens and telemetry; wall-clock seconds of prefill and of decoding."""
+    """Per request its tokens and telemetry; wall-clock seconds of prefill and of decoding.
+
+    `busy_s` and `busy_tokens` cover the decode steps before the first request finished,
+    while every slot was decoding: the aggregate rate of N concurrent streams, which a
+    fixed batch's total time hides (it waits for its slowest request alone).
+    """
 
     tokens: list[list[int]] = field(default_factory=list)
     stats: list[SpecStats] = field(default_factory=list)
     prefill_s: float = 0.0
     decode_s: float = 0.0
     steps: int = 0
+    busy_s: float = 0.0
+    busy_tokens: int = 0
 
 
 def generate(speculator: Speculator, requests: Sequence[Request]) -> Run:
@@ -71,8 +78,14 @@ def generate(speculator: Speculator, requests: Sequence[Request]) -> Run:
         decoding = [states[i] for i in active]
         for i, d in zip(active, decoding, strict=True):
             d.remaining = requests[i].max_tokens - len(run.tokens[i])
+        t = time.perf_counter()
         committed = speculator.resolve(decoding, runner.step(speculator.plan(decoding)).rows)
         run.steps += 1
+        if len(active) == len(requests):
+            run.busy_s += time.perf_counter() - t
+            run.busy_tokens += sum(
+                len(c.tokens[: d.remaining]) for d, c in zip(decoding, committed, strict=True)
+            )
         for i, d, c in zip(active, decoding, committed, strict=True):
             run.tokens[i] += c.tokens[: d.remaining]
             d.history += c.tokens

@@ -1,0 +1,214 @@
+"""Speculative over plain decoding: aggregate decode tokens/s at N = 1, 4, 8 slots.
+
+For each N and each configuration, N requests are prefilled together and decode
+`--gen` greedy tokens each through `Speculator.plan` / `ModelRunner.step` /
+`Speculator.resolve` (engine.spec.offline), one batched step per decode step.
+Configurations: plain (speculation "off"), prompt lookup ("ngram") and the MTP
+head ("mtp"), each with the cost controller ("auto") and at a fixed depth K
+("on"). Each configuration keeps one engine (pool, runner, speculator and its
+cost controller) across its runs, as a server would; after one warm-up run of
+each, the median of `--repeats` runs, configurations interleaved, is reported. `tok/s` is the batch's tokens over its
+decode time (it waits for its slowest request); `busy tok/s` counts only the
+steps while all N requests were decoding — the rate of N concurrent streams,
+which is what a serving scheduler that refills slots sees.
+
+Text: random-weight models do not copy their prompts, so the only repetitive
+text they produce is their own greedy loops. The tiny preset with tied
+embeddings loops often; `loops` are prompts (a random phrase said three times)
+whose plain greedy continuation repeats itself, screened by running it; `fresh`
+are such prompts taken as they come. MTP acceptance on random weights means
+nothing (the head never learned to predict its trunk); it is measured anyway.
+
+    python bench/spec_decode.py [--preset tiny] [--n 1,4,8] [--gen 64] [--repeats 3]
+                                [--device cpu|gpu] [--compile]
+
+Prints a markdown table; writes out/bench/spec_decode[_<device>][_compiled].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import json
+import platform
+import statistics
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from engine.cache import SlotPool
+from engine.generate import greedy_tokens
+from engine.models.qwen35 import Model, load_model
+from engine.runner import ModelRunner
+from engine.spec.drafters import Drafter, MTPDrafter, NgramDrafter
+from engine.spec.offline import Request, Run, generate
+from engine.spec.speculator import Speculator
+from engine.writer import preset, write_model
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "out" / "bench"
+CONFIGS = [("plain", "off"), ("ngram", "auto"), ("ngram", "on"), ("mtp", "auto"), ("mtp", "on")]
+
+
+def bench_model(name: str, tied: bool) -> Path:
+    """The preset's f32 GGUF under out/bench/, written once per spec."""
+    spec = dataclasses.replace(preset(name), tied_embeddings=tied)
+    path = OUT / f"{name}-{hashlib.sha256(repr(spec).encode()).hexdigest()[:8]}.gguf"
+    if not path.exists():
+        OUT.mkdir(parents=True, exist_ok=True)
+        write_model(path, spec)
+    return path
+
+
+def repeats_itself(tokens: list[int], share: float = 0.5) -> bool:
+    """Whether most tokens continue an earlier bigram as it continued before."""
+    hits = sum(
+        any(tokens[j : j + 3] == tokens[i - 2 : i + 1] for j in range(i - 2))
+        for i in range(2, len(tokens))
+    )
+    return hits >= share * len(tokens)
+
+
+def prompt_sets(model: Model, n: int, gen: int) -> dict[str, list[list[int]]]:
+    """`fresh`: the first n prompts; `loops`: the first n whose greedy continuation loops."""
+    rng = np.random.default_rng(0)
+    fresh: list[list[int]] = []
+    loops: list[list[int]] = []
+    for i in range(100 * n):
+        prompt = [int(t) for t in rng.integers(0, model.config.n_vocab, 3 + i % 4)] * 3
+        if len(fresh) < n:
+            fresh.append(prompt)
+        if len(loops) < n and repeats_itself(greedy_tokens(model, prompt, gen)):
+            loops.append(prompt)
+        if len(loops) == n:
+            return {"loops": loops, "fresh": fresh}
+    raise SystemExit(f"{n} looping prompts not found in {100 * n}; try the tied tiny preset")
+
+
+def speculator(model: Model, drafter: str, n: int, args: argparse.Namespace) -> Speculator:
+    """One engine per configuration, kept across its runs as a server keeps it."""
+    context = 64 + args.gen + args.k + 1
+    pool = SlotPool(model.config, n, context, mx.float32, max_draft=args.k)
+    runner = ModelRunner(model, pool, compile=args.compile)
+    drafters: list[Drafter] = []
+    if drafter == "ngram":
+        drafters.append(NgramDrafter())
+    elif drafter == "mtp":
+        drafters.append(MTPDrafter(runner))
+    return Speculator(runner, args.k, drafters)
+
+
+def measure(
+    model: Model, text: str, prompts: list[list[int]], args: argparse.Namespace
+) -> list[dict[str, object]]:
+    specs = {c: speculator(model, c[0], len(prompts), args) for c in CONFIGS}
+    requests = {c: [Request(p, args.gen, speculation=c[1]) for p in prompts] for c in CONFIGS}
+    runs: dict[tuple[str, str], list[Run]] = {c: [] for c in CONFIGS}
+    for c in CONFIGS:  # warm-up: kernel builds, allocations and the controller's first steps
+        generate(specs[c], requests[c])
+    for _ in range(args.repeats):
+        for c in CONFIGS:
+            runs[c].append(generate(specs[c], requests[c]))
+    plain = statistics.median(r.decode_s for r in runs[("plain", "off")])
+    plain_busy = statistics.median(r.busy_tokens / r.busy_s for r in runs[("plain", "off")])
+    rows = []
+    for (drafter, mode), rs in runs.items():
+        seconds = statistics.median(r.decode_s for r in rs)
+        busy = statistics.median(r.busy_tokens / r.busy_s for r in rs)
+        stats = [s for r in rs for s in r.stats]
+        drafted, accepted = sum(s.drafted for s in stats), sum(s.accepted for s in stats)
+        rounds, steps = sum(s.verify_rounds for s in stats), sum(s.steps for s in stats)
+        rows.append(
+            {
+                "N": len(prompts),
+                "text": text,
+                "drafter": drafter,
+                "mode": mode,
+                "tok_s": len(prompts) * args.gen / seconds,
+                "speedup": plain / seconds,
+                "busy_tok_s": busy,
+                "busy_speedup": busy / plain_busy,
+                "acceptance": accepted / drafted if drafted else None,
+                "accepted_per_round": accepted / rounds if rounds else None,
+                "mean_k": drafted / steps if steps else 0.0,
+                "verify_share": rounds / steps if steps else 0.0,
+                "steps": statistics.median(r.steps for r in rs),
+            }
+        )
+    return rows
+
+
+def table(rows: list[dict[str, object]]) -> str:
+    def fmt(x: object, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    out = [
+        "| N | text | drafter | mode | tok/s | speed-up | busy tok/s | busy speed-up "
+        "| acceptance | accepted/round | mean K | verify share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['N']} | {r['text']} | {r['drafter']} | {r['mode']} | {fmt(r['tok_s'], '.0f')} "
+            f"| {fmt(r['speedup'], '.2f')}x | {fmt(r['busy_tok_s'], '.0f')} "
+            f"| {fmt(r['busy_speedup'], '.2f')}x | {fmt(r['acceptance'], '.2f')} "
+            f"| {fmt(r['accepted_per_round'], '.2f')} | {fmt(r['mean_k'], '.2f')} "
+            f"| {fmt(r['verify_share'], '.2f')} |"
+        )
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--untied", action="store_true", help="keep the preset's own LM head")
+    ap.add_argument("--n", default="1,4,8")
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4, help="draft depth cap")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", choices=["default", "cpu", "gpu"], default="default")
+    ap.add_argument("--compile", action="store_true", help="mx.compile the runner's step")
+    args = ap.parse_args()
+    if args.device != "default":
+        mx.set_default_device(mx.cpu if args.device == "cpu" else mx.gpu)
+    path = bench_model(args.preset, tied=not args.untied)
+    model = load_model(path)
+    ns = [int(x) for x in args.n.split(",")]
+    sets = prompt_sets(model, max(ns), args.gen)
+    rows = [
+        r
+        for n in ns
+        for text, prompts in sets.items()
+        for r in measure(model, text, prompts[:n], args)
+    ]
+    print(table(rows))
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+    report = {
+        "bench": "spec_decode",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": commit,
+        "machine": f"{platform.machine()} {platform.processor()}".strip(),
+        "device": str(mx.default_device()),
+        "mlx": metadata.version("mlx"),
+        "model": path.name,
+        "args": vars(args),
+        "rows": rows,
+    }
+    OUT.mkdir(parents=True, exist_ok=True)
+    suffix = ("" if args.device == "default" else f"_{args.device}") + (
+        "_compiled" if args.compile else ""
+    )
+    (OUT / f"spec_decode{suffix}.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
