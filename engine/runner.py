@@ -127,9 +127,12 @@ class ModelRunner:
         # The pool is read and written outside the compiled graph: eager scatters update
         # it in place, while a compiled graph would copy every state array each step.
         logits, hidden, new, captures = fn(inputs, self.pool.read(slot_idx, past))
-        self.pool.write(slot_idx, tok_slot, tok_pos, new)
         self.last_host_s = time.perf_counter() - t0  # building inputs and the graph
-        mx.eval(logits, hidden, self.pool.k, self.pool.v, self.pool.conv, self.pool.ssm)
+        # Compute everything before touching the pool: a step that fails here (bad
+        # input, device fault) leaves every slot exactly as it was.
+        mx.eval(logits, hidden, new, captures)
+        self.pool.write(slot_idx, tok_slot, tok_pos, new)
+        mx.eval(self.pool.k, self.pool.v, self.pool.conv, self.pool.ssm)
         self.pool.commit(slots, starts, lengths, _unflatten_captures(self.model, layout, captures))
 
         out, at = StepOutput(), 0
@@ -181,10 +184,11 @@ class ModelRunner:
         tokens = mx.array([t for r in batch for t in r.tokens], dtype=mx.int32)
         hidden = mx.concatenate([r.hidden for r in batch], axis=0)
         logits, h, new = mtp(tokens, hidden, layout, state)
-        self.pool.write_mtp(slots, starts, lengths, layout, new)
         logits = logits.astype(mx.float32)
+        mx.eval(logits, h, new.k, new.v)  # before the pool changes, as in `step`
+        self.pool.write_mtp(slots, starts, lengths, layout, new)
         assert self.pool.mtp_k is not None and self.pool.mtp_v is not None
-        mx.eval(logits, h, self.pool.mtp_k, self.pool.mtp_v)
+        mx.eval(self.pool.mtp_k, self.pool.mtp_v)
         out, at = [], 0
         for n in lengths:
             out.append((logits[at : at + n], h[at : at + n]))

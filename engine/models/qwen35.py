@@ -605,6 +605,9 @@ class Model:
             DecoderLayer(ld, i, cfg, freqs, cfg.recurrent[i]) for i in range(cfg.n_layer)
         ]
         self.mtp = MTPHead(ld, cfg, freqs, self) if cfg.n_mtp > 0 else None
+        # Load eagerly: lazy weights would be evaluated by whichever thread runs the first
+        # step, and MLX evaluates a graph only on the thread that built it.
+        mx.eval(_arrays(self))
 
     def embed_tokens(self, tokens: mx.array, table: Weight | None = None) -> mx.array:
         w = self.tok_embd if table is None else table
@@ -642,6 +645,23 @@ class Model:
 
     def logits(self, hidden: mx.array) -> mx.array:
         return matmul(hidden, self.output)
+
+
+def _arrays(obj: object, seen: set[int] | None = None) -> list[mx.array]:
+    """Every array reachable from a layer object (weights of every kind)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, mx.array):
+        return [obj]
+    if isinstance(obj, QuantizedWeight):
+        return [obj.weight, obj.scales, obj.biases]
+    if isinstance(obj, list | tuple):
+        return [a for x in obj for a in _arrays(x, seen)]
+    if hasattr(obj, "__dict__"):
+        return [a for x in vars(obj).values() for a in _arrays(x, seen)]
+    return []
 
 
 def load_model(path: str | Path, dtype: mx.Dtype = mx.float32) -> Model:
