@@ -9,6 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transport.sockets import CurveClient
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -57,6 +62,80 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _curve_client(args: argparse.Namespace) -> CurveClient | None:
+    from transport.sockets import CurveClient
+
+    if (args.curve_secret is None) != (args.server_key is None):
+        raise ValueError("CURVE needs both --curve-secret and --server-key")
+    if args.curve_secret is None:
+        return None
+    return CurveClient(Path(args.curve_secret), Path(args.server_key))
+
+
+def _add_connection_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("endpoint", help="the server, e.g. tcp://127.0.0.1:5555 or ipc:///run/s.sock")
+    p.add_argument("--curve-secret", help="this client's CURVE certificate (.key_secret)")
+    p.add_argument("--server-key", help="the server's CURVE public certificate (.key)")
+
+
+def _cmd_client(args: argparse.Namespace) -> int:
+    from transport.client import ClientError, SyncClient
+
+    prompt: str | list[dict[str, str]] = args.prompt
+    if args.chat:
+        prompt = [{"role": "user", "content": args.prompt}]
+    try:
+        with SyncClient(args.endpoint, curve=_curve_client(args)) as client:
+            for delta in client.generate(
+                prompt, max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed
+            ):
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+    except ClientError as e:
+        print(f"slotserve client: {e}", file=sys.stderr)
+        return 1
+    sys.stdout.write("\n")
+    return 0
+
+
+def _cmd_loadgen(args: argparse.Namespace) -> int:
+    import anyio
+
+    from transport import loadgen, loadreport
+    from transport.client import ClientError
+
+    if args.duration is None and args.requests is None:
+        args.duration = 10.0
+    config = loadgen.LoadConfig(
+        endpoint=args.endpoint,
+        concurrency=args.concurrency,
+        rate=args.rate,
+        duration_s=args.duration,
+        requests=args.requests,
+        connections=args.connections,
+        temperature=args.temperature,
+        ignore_eos=not args.stop_at_eos,
+        seed=args.seed,
+        curve=_curve_client(args),
+    )
+    progress = None if args.quiet else sys.stderr
+    prompts = None if args.prompts is None else Path(args.prompts)
+    try:
+        records = anyio.run(
+            loadgen.run_load, config, prompts, args.prompt_tokens, args.max_tokens, progress
+        )
+    except ClientError as e:
+        print(f"slotserve loadgen: {e}", file=sys.stderr)
+        return 1
+    summary = loadreport.summarize(config, records)
+    print(loadreport.table(summary))
+    if args.json:
+        loadreport.write_json(Path(args.json), summary, records)
+    if args.plot:
+        loadreport.plot(Path(args.plot), summary, records)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slotserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -87,6 +166,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     commands["generate"] = _cmd_generate
+
+    p = sub.add_parser("client", help="send one prompt to a server and stream the text")
+    _add_connection_arguments(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="send it as a user chat message")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    commands["client"] = _cmd_client
+
+    p = sub.add_parser("loadgen", help="load a server and report throughput and latency")
+    _add_connection_arguments(p)
+    load = p.add_mutually_exclusive_group(required=True)
+    load.add_argument("--concurrency", type=int, help="closed loop: requests kept in flight")
+    load.add_argument("--rate", type=float, help="open loop: Poisson arrivals per second")
+    p.add_argument("--duration", type=float, help="seconds of arrivals (default 10)")
+    p.add_argument("--requests", type=int, help="requests to send (with --duration: first wins)")
+    p.add_argument("--connections", type=int, default=4, help="client connections to spread over")
+    p.add_argument("--prompts", help="JSON lines: {'prompt'|'tokens'|'messages', 'max_tokens'?}")
+    p.add_argument("--prompt-tokens", type=int, default=32, help="synthetic prompt length")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--stop-at-eos", action="store_true", help="end requests at EOS tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the summary and every request here")
+    p.add_argument("--plot", help="write a PNG of throughput and latency distributions here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    commands["loadgen"] = _cmd_loadgen
 
     parser.set_defaults(_commands=commands)
     return parser
