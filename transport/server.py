@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import anyio.abc
@@ -70,6 +70,16 @@ class ServerConfig:
             raise ValueError("need 0 < heartbeat_interval_s < heartbeat_timeout_s")
 
 
+class Serves(Protocol):
+    """What the server needs of a scheduler (`scheduler.Scheduler` is the one)."""
+
+    def submit(self, request: s.Request) -> s.RequestHandle: ...
+
+    def cancel(self, request_id: str) -> bool: ...
+
+    def stats(self) -> s.SchedulerStats: ...
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What Welcome tells a client about the model."""
@@ -108,7 +118,7 @@ class Server:
     BUSY, DRAINING with SHUTTING_DOWN.
     """
 
-    def __init__(self, scheduler: s.Scheduler, model: ModelInfo, config: ServerConfig) -> None:
+    def __init__(self, scheduler: Serves, model: ModelInfo, config: ServerConfig) -> None:
         self.scheduler = scheduler
         self.model = model
         self.config = config
