@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import time
 import weakref
 from collections import deque
@@ -33,6 +34,8 @@ import zmq
 
 from transport import protocol as p
 from transport.sockets import AsyncSocket, CurveClient, resolve_endpoint
+
+log = logging.getLogger("slotserve.client")
 
 PromptLike = str | Sequence[int] | Sequence[Mapping[str, str]] | p.Prompt
 
@@ -345,6 +348,8 @@ class Client:
             done, box = self._stats.popleft()
             box.append(msg)
             done.set()
+        elif isinstance(msg, p.Error):  # about the connection, not a request
+            log.warning("%s: %s: %s", self.endpoint, msg.code.name, msg.message)
 
     def _route(self, request_id: int, msg: p.Delta | p.Accepted | p.Finished | p.Error) -> None:
         ref = self._streams.get(request_id)

@@ -289,21 +289,38 @@ class Server:
     # -- streaming ----------------------------------------------------------------------------
     async def _stream(self, session: _Session, rid: int, handle: s.RequestHandle) -> None:
         """Move one request's events into its session's step batch, until its terminal."""
-        async for event in handle:
-            if isinstance(event, s.Delta):
-                if not session.closed:
-                    session.deltas.append(mapping.to_delta(rid, event))
-            else:
-                del session.requests[rid]
-                terminal = mapping.to_terminal(rid, event)
-                if session.closed:
+        try:
+            async for event in handle:
+                if isinstance(event, s.Delta):
+                    if not session.closed:
+                        session.deltas.append(mapping.to_delta(rid, event))
+                        self._mark(session)
+                else:
+                    self._end(session, rid, mapping.to_terminal(rid, event))
                     return
-                if session.cancel_note and getattr(terminal, "code", None) == p.ErrorCode.CANCELLED:
-                    terminal = p.Error(p.ErrorCode.CANCELLED, session.cancel_note, rid)
-                session.terminals.append(terminal)
-            if not session.closed:
-                self._dirty[session] = None
-                self._flush_wanted.set()
+        except Exception:  # a bug here must cost this request, not the server
+            log.exception("session %d request %d: relaying its events failed", session.number, rid)
+            handle.cancel()
+            why = "the server failed to relay this request's output"
+            self._end(session, rid, p.Error(p.ErrorCode.INTERNAL, why, rid))
+
+    def _end(self, session: _Session, rid: int, terminal: p.Finished | p.Error) -> None:
+        session.requests.pop(rid, None)
+        if session.closed:
+            return
+        if (
+            session.cancel_note is not None
+            and isinstance(terminal, p.Error)
+            and terminal.code == p.ErrorCode.CANCELLED
+        ):
+            terminal = p.Error(p.ErrorCode.CANCELLED, session.cancel_note, rid)
+        session.terminals.append(terminal)
+        self._mark(session)
+
+    def _mark(self, session: _Session) -> None:
+        """Have the flusher send what the session's requests produced."""
+        self._dirty[session] = None
+        self._flush_wanted.set()
 
     async def _flush_loop(self) -> None:
         while True:
@@ -344,7 +361,7 @@ class Server:
             return False
         except zmq.ZMQError as e:
             if e.errno != errno.EHOSTUNREACH:
-                raise
+                log.error("session %d: send failed (%s); dropping it", session.number, e)
             self._drop(session, dead=True)  # disconnected; the outbox goes with it
         return True
 
