@@ -14,12 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
+from layer_profile import timed
 
 
 def chain(kind: str, k: int) -> tuple[Callable[..., mx.array], list[mx.array]]:
@@ -59,14 +58,7 @@ def chain(kind: str, k: int) -> tuple[Callable[..., mx.array], list[mx.array]]:
 
 
 def per_op_us(fn: Callable[..., mx.array], args: list[mx.array], k: int, reps: int) -> float:
-    for _ in range(2):
-        mx.eval(fn(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        mx.eval(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times)) / k * 1e6
+    return timed(fn, *args, reps=reps) / k * 1e6
 
 
 def main() -> None:
