@@ -136,6 +136,27 @@ def _cmd_loadgen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from transport import config, daemon
+
+    flags = {key.name: getattr(args, key.name) for key in config.KEYS}
+    file = None if args.config is None else Path(args.config)
+    try:
+        settings = config.load(file, os.environ, flags)
+    except config.ConfigError as e:
+        print(f"slotserve serve: config error: {e}", file=sys.stderr)
+        return 2
+    return daemon.run(settings)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from transport.daemon.demo import run_demo
+
+    return run_demo(Path(args.model), args.duration, args.concurrency, args.max_tokens, args.slots)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slotserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -194,6 +215,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", help="write a PNG of throughput and latency distributions here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     commands["loadgen"] = _cmd_loadgen
+
+    p = sub.add_parser("serve", help="run the daemon: settings from --config, SLOTSERVE_*, flags")
+    from transport.config import add_arguments
+
+    add_arguments(p)
+    commands["serve"] = _cmd_serve
+
+    p = sub.add_parser("demo", help="a daemon on the demo model under load, then a clean stop")
+    from transport.daemon.demo import DEMO_MODEL
+
+    p.add_argument(
+        "--model", default=str(DEMO_MODEL), help="written from the demo preset if missing"
+    )
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of load")
+    p.add_argument("--concurrency", type=int, default=8, help="requests kept in flight")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
+    p.add_argument("--slots", type=int, default=8)
+    commands["demo"] = _cmd_demo
 
     parser.set_defaults(_commands=commands)
     return parser

@@ -21,7 +21,7 @@ import errno
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -115,14 +115,23 @@ class Server:
 
     Runs in the scheduler's event loop and calls it directly (submit, cancel,
     stats). `state` is what Pong and Stats report; STARTING answers Generate with
-    BUSY, DRAINING with SHUTTING_DOWN.
+    BUSY, DRAINING with SHUTTING_DOWN. `observer`, if given, sees every event of
+    every request as it is relayed (metrics).
     """
 
-    def __init__(self, scheduler: Serves, model: ModelInfo, config: ServerConfig) -> None:
+    def __init__(
+        self,
+        scheduler: Serves,
+        model: ModelInfo,
+        config: ServerConfig,
+        observer: Callable[[s.Event], None] | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.model = model
         self.config = config
+        self.observer = observer
         self.state = p.ServerState.READY
+        self._close_linger_ms = 0  # raised by `drain` so the last messages leave
         self.frames_received = 0
         self.frames_rejected = 0
         self.slow_consumers = 0
@@ -170,7 +179,7 @@ class Server:
             if monitor is not None:
                 sock.disable_monitor()
                 monitor.close(linger=0)
-            sock.close(linger=0)
+            sock.close(linger=self._close_linger_ms)
             if auth is not None:
                 auth.stop()
             ctx.term()
@@ -286,11 +295,27 @@ class Server:
         self._send(session, p.encode(p.Accepted(rid, handle.prompt_tokens)))
         self._tg.start_soon(self._stream, session, rid, handle)
 
+    async def drain(self, timeout_s: float, linger_s: float = 2.0) -> bool:
+        """Wait until every accepted request's terminal message has been handed to ZeroMQ
+        (call after the scheduler has shut down, with `state` DRAINING); closing then
+        lingers up to `linger_s` so queued messages reach their peers. False if
+        something was still unsent after `timeout_s`."""
+        self._close_linger_ms = round(linger_s * 1000)
+        with anyio.move_on_after(timeout_s):
+            while self._dirty or any(
+                session.requests or session.outbox for session in self._sessions.values()
+            ):
+                await anyio.sleep(RESEND_INTERVAL_S)
+            return True
+        return False
+
     # -- streaming ----------------------------------------------------------------------------
     async def _stream(self, session: _Session, rid: int, handle: s.RequestHandle) -> None:
         """Move one request's events into its session's step batch, until its terminal."""
         try:
             async for event in handle:
+                if self.observer is not None:
+                    self.observer(event)
                 if isinstance(event, s.Delta):
                     if not session.closed:
                         session.deltas.append(mapping.to_delta(rid, event))

@@ -1,0 +1,158 @@
+"""`slotserve serve`: the scheduler and the ZeroMQ server as a long-running service.
+
+Life of the process (`run`):
+1. settings are validated before anything else (`transport.config`; exit 2);
+2. logging goes to stderr or the log file; the pid file is written;
+3. the model loads eagerly and the slot pool is allocated (logged with timings);
+4. the server binds in state STARTING (Ping and Stats answer, Generate gets BUSY),
+   one request is run through the whole path as a warm-up, the state turns READY and
+   "ready" is logged;
+5. SIGTERM or SIGINT starts the drain: the server answers new Generates with
+   SHUTTING_DOWN, the scheduler lets running requests finish for up to
+   `drain_timeout` seconds (then ends them with SHUTTING_DOWN), every terminal
+   message is sent, and the process exits 0. A second SIGTERM/SIGINT exits at
+   once with status 1. SIGHUP reopens the log file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import anyio
+import mlx.core as mx
+
+import scheduler as s
+from engine.cache import SlotPool
+from engine.gguf import GGUFFile
+from engine.models.qwen35 import load_model
+from engine.runner import ModelRunner
+from engine.tokenizer import Tokenizer
+from transport import protocol as p
+from transport.config import DaemonConfig
+from transport.daemon import logs
+from transport.metrics import Metrics
+from transport.server import ModelInfo, Server, ServerConfig
+
+log = logging.getLogger("slotserve.daemon")
+
+EXIT_AT_ONCE = 1  # the status of a second stop signal
+SEND_GRACE_S = 5.0  # after the drain, how long terminal messages may take to leave
+
+
+def run(config: DaemonConfig) -> int:
+    """Serve until stopped by a signal; returns the exit status (0 after a clean drain)."""
+    reopen = logs.configure(config.log_format, config.log_level, config.log_file)
+    if config.pid_file is not None:
+        config.pid_file.write_text(f"{os.getpid()}\n")
+    try:
+        anyio.run(_serve, config, reopen)
+        return 0
+    finally:
+        if config.pid_file is not None:
+            config.pid_file.unlink(missing_ok=True)
+
+
+def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
+    """Load the model and allocate the pool. Call on the thread that runs the scheduler's
+    event loop: MLX evaluates a graph only on the thread that built it."""
+    path = config.model
+    log.info("loading model %s (%.1f MiB)", path, path.stat().st_size / 2**20)
+    t0 = time.perf_counter()
+    model = load_model(path)
+    tokenizer = Tokenizer.from_metadata(GGUFFile(path).metadata)
+    cfg = model.config
+    log.info(
+        "model loaded in %.1f s on %s: %s, %d layers, vocab %d",
+        time.perf_counter() - t0,
+        mx.default_device(),
+        cfg.name,
+        cfg.n_layer,
+        cfg.n_vocab,
+    )
+    t0 = time.perf_counter()
+    pool = SlotPool(cfg, config.slots, config.context, max_draft=config.max_draft)
+    log.info(
+        "slot pool: %d slots x %d tokens, draft depth %d, allocated in %.1f s",
+        config.slots,
+        config.context,
+        config.max_draft,
+        time.perf_counter() - t0,
+    )
+    sched_config = s.SchedulerConfig(
+        max_queue=config.max_queue,
+        memory_bytes=config.memory_budget,
+        shutdown_grace_s=config.drain_timeout,
+    )
+    scheduler = s.Scheduler(ModelRunner(model, pool), tokenizer, sched_config)
+    return scheduler, ModelInfo.of(scheduler, config.model_name or path.stem)
+
+
+async def warm_up(scheduler: s.Scheduler) -> float:
+    """Run one short request through prefill and decode; returns its seconds."""
+    t0 = time.perf_counter()
+    request = s.Request(prompt=[1, 2, 3, 4], max_tokens=2, ignore_eos=True, request_id="warm-up")
+    await scheduler.submit(request).collect()
+    return time.perf_counter() - t0
+
+
+async def _serve(config: DaemonConfig, reopen: logs.ReopenableFileHandler | None) -> None:
+    scheduler, info = build_scheduler(config)
+    metrics = Metrics(scheduler)
+    server = Server(
+        scheduler, info, ServerConfig(endpoints=config.endpoints), observer=metrics.observe
+    )
+    server.state = p.ServerState.STARTING
+    address = config.metrics_host_port
+    http = metrics.serve(*address) if address is not None else None
+    stop = anyio.Event()
+    try:
+        async with (
+            scheduler.running(),
+            server.running() as endpoints,
+            anyio.create_task_group() as tg,
+        ):
+            tg.start_soon(_handle_signals, stop, reopen)
+            tg.start_soon(metrics.refresh_forever)
+            log.info("warming up")
+            log.info("warm-up step took %.2f s", await warm_up(scheduler))
+            server.state = p.ServerState.READY
+            where = f"; metrics on http://{config.metrics_address}/metrics" if http else ""
+            log.info("ready: serving %s on %s%s", info.name, ", ".join(endpoints), where)
+            await stop.wait()
+            server.state = p.ServerState.DRAINING
+            st = scheduler.stats()
+            log.info(
+                "draining: %d running, %d waiting; up to %.1f s",
+                st.running,
+                st.waiting,
+                config.drain_timeout,
+            )
+            await scheduler.shutdown(config.drain_timeout)
+            if not await server.drain(SEND_GRACE_S):
+                log.warning("some terminal messages were still unsent at exit")
+            metrics.refresh()
+            tg.cancel_scope.cancel()
+    finally:
+        if http is not None:
+            http.shutdown()
+    log.info("stopped")
+
+
+async def _handle_signals(stop: anyio.Event, reopen: logs.ReopenableFileHandler | None) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            if signum == signal.SIGHUP:
+                if reopen is not None:
+                    reopen.reopen()
+                    log.info("SIGHUP: reopened the log file %s", reopen.baseFilename)
+            elif not stop.is_set():
+                log.info("%s: stopping; a second signal exits at once", name)
+                stop.set()
+            else:
+                log.warning("%s again: exiting at once", name)
+                logging.shutdown()
+                os._exit(EXIT_AT_ONCE)

@@ -1,0 +1,123 @@
+"""`slotserve demo`: a daemon on the demo model, the load generator against it, a clean stop.
+
+`Supervised` (a `slotserve serve` subprocess that is ready once its Stats say
+READY) is also what the daemon's tests start.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+import anyio
+
+from transport import loadgen, loadreport
+from transport import protocol as p
+from transport.client import Client, ClientError
+
+DEMO_MODEL = Path("out/demo/demo-qwen35.gguf")
+
+
+class DaemonFailed(RuntimeError):
+    """The daemon exited, or did not become ready in time."""
+
+
+class Supervised:
+    """`with Supervised(serve_args) as daemon:` runs `slotserve serve *serve_args` and waits
+    until it is READY; leaving the block stops it with SIGTERM (killing it if it does not
+    exit within `stop_timeout_s`). `returncode` holds its exit status afterwards."""
+
+    def __init__(
+        self,
+        serve_args: Sequence[str],
+        endpoint: str,
+        ready_timeout_s: float = 120.0,
+        stop_timeout_s: float = 60.0,
+    ) -> None:
+        self.argv = [sys.executable, "-m", "transport.cli", "serve", *serve_args]
+        self.endpoint = endpoint
+        self.ready_timeout_s = ready_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.returncode: int | None = None
+
+    def __enter__(self) -> Supervised:
+        self.proc = subprocess.Popen(self.argv)
+        try:
+            anyio.run(self._wait_ready)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def signal(self, signum: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signum)
+
+    def stop(self) -> int:
+        """SIGTERM (unless it already exited) and wait; returns the exit status."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.returncode = self.proc.wait(self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.returncode = self.proc.wait()
+        return self.returncode
+
+    async def _wait_ready(self) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise DaemonFailed(f"the daemon exited with status {self.proc.returncode}")
+            try:
+                async with Client.connect(self.endpoint, timeout_s=1.0) as client:
+                    if (await client.stats()).state == p.ServerState.READY:
+                        return
+            except (ClientError, TimeoutError):
+                pass
+            await anyio.sleep(0.2)
+        raise DaemonFailed(f"the daemon was not ready within {self.ready_timeout_s:.0f} s")
+
+
+def ensure_model(path: Path) -> Path:
+    """The demo model at `path`, written from the "demo" preset if it is missing."""
+    if not path.exists():
+        from engine.writer import preset, write_model
+
+        print(f"writing the demo model to {path}", file=sys.stderr)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_model(path, preset("demo"))
+    return path
+
+
+def run_demo(model: Path, duration_s: float, concurrency: int, max_tokens: int, slots: int) -> int:
+    """Start a daemon on `model`, load it for `duration_s`, print the report, stop it.
+    Returns 0 when the daemon drained and exited cleanly."""
+    ensure_model(model)
+    with tempfile.TemporaryDirectory(prefix="slotserve-demo-") as tmp:
+        endpoint = f"ipc://{tmp}/demo.sock"
+        args = ["--model", str(model), "--endpoints", endpoint, "--slots", str(slots)]
+        args += ["--context", "1024", "--metrics-address", "", "--drain-timeout", "10"]
+        with Supervised(args, endpoint) as daemon:
+            config = loadgen.LoadConfig(
+                endpoint, concurrency=concurrency, duration_s=duration_s, connections=2
+            )
+            records = anyio.run(loadgen.run_load, config, None, 32, max_tokens, sys.stderr)
+            print(loadreport.table(loadreport.summarize(config, records)))
+        status = daemon.returncode
+    print(f"daemon stopped with status {status}", file=sys.stderr)
+    return 0 if status == 0 else 1
