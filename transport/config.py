@@ -64,15 +64,22 @@ class DaemonConfig:
 
 
 def _positive_int(v: Any) -> int:
-    n = int(v) if isinstance(v, str) else v
+    n = v.strip() if isinstance(v, str) else v
+    if isinstance(n, str) and n.isdigit():
+        n = int(n)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError("expected an integer >= 1")
     return n
 
 
 def _seconds(v: Any) -> float:
-    x = float(v) if isinstance(v, str) else v
-    if not isinstance(x, int | float) or isinstance(x, bool) or x < 0:
+    x = v
+    if isinstance(v, str):
+        try:
+            x = float(v)
+        except ValueError:
+            x = None
+    if not isinstance(x, int | float) or isinstance(x, bool) or not 0 <= x < float("inf"):
         raise ValueError("expected a number of seconds >= 0")
     return float(x)
 
@@ -109,7 +116,7 @@ def _optional_path(v: Any) -> Path | None:
 def _model_path(v: Any) -> Path:
     path = _optional_path(v)
     if path is None or not path.is_file():
-        raise ValueError(f"no model file at {v!r}")
+        raise ValueError("no such file")
     return path
 
 

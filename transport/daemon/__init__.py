@@ -109,36 +109,40 @@ async def _serve(config: DaemonConfig, reopen: logs.ReopenableFileHandler | None
     http = metrics.serve(*address) if address is not None else None
     stop = anyio.Event()
     try:
-        async with (
-            scheduler.running(),
-            server.running() as endpoints,
-            anyio.create_task_group() as tg,
-        ):
-            tg.start_soon(_handle_signals, stop, reopen)
-            tg.start_soon(metrics.refresh_forever)
-            log.info("warming up")
-            log.info("warm-up step took %.2f s", await warm_up(scheduler))
-            server.state = p.ServerState.READY
-            where = f"; metrics on http://{config.metrics_address}/metrics" if http else ""
-            log.info("ready: serving %s on %s%s", info.name, ", ".join(endpoints), where)
-            await stop.wait()
-            server.state = p.ServerState.DRAINING
-            st = scheduler.stats()
-            log.info(
-                "draining: %d running, %d waiting; up to %.1f s",
-                st.running,
-                st.waiting,
-                config.drain_timeout,
-            )
-            await scheduler.shutdown(config.drain_timeout)
-            if not await server.drain(SEND_GRACE_S):
-                log.warning("some terminal messages were still unsent at exit")
-            metrics.refresh()
-            tg.cancel_scope.cancel()
+        # Signals are watched until the very end, so a second one always exits at once.
+        async with anyio.create_task_group() as signals:
+            signals.start_soon(_handle_signals, stop, reopen)
+            async with (
+                scheduler.running(),
+                server.running() as endpoints,
+                anyio.create_task_group() as tg,
+            ):
+                tg.start_soon(metrics.refresh_forever)
+                log.info("warming up")
+                log.info("warm-up step took %.2f s", await warm_up(scheduler))
+                server.state = p.ServerState.READY
+                where = f"; metrics on http://{config.metrics_address}/metrics" if http else ""
+                log.info("ready: serving %s on %s%s", info.name, ", ".join(endpoints), where)
+                await stop.wait()
+                await _drain(scheduler, server, config.drain_timeout)
+                metrics.refresh()
+                tg.cancel_scope.cancel()
+            signals.cancel_scope.cancel()
     finally:
         if http is not None:
             http.shutdown()
     log.info("stopped")
+
+
+async def _drain(scheduler: s.Scheduler, server: Server, timeout_s: float) -> None:
+    """Refuse new requests, let running ones finish within `timeout_s`, send every
+    terminal message."""
+    server.state = p.ServerState.DRAINING
+    st = scheduler.stats()
+    log.info("draining: %d running, %d waiting; up to %.1f s", st.running, st.waiting, timeout_s)
+    await scheduler.shutdown(timeout_s)
+    if not await server.drain(SEND_GRACE_S):
+        log.warning("some terminal messages were still unsent at exit")
 
 
 async def _handle_signals(stop: anyio.Event, reopen: logs.ReopenableFileHandler | None) -> None:

@@ -70,6 +70,11 @@ class Supervised:
         assert self.proc is not None
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+        return self.wait()
+
+    def wait(self) -> int:
+        """Wait for the exit (killing it past `stop_timeout_s`); returns the exit status."""
+        assert self.proc is not None
         try:
             self.returncode = self.proc.wait(self.stop_timeout_s)
         except subprocess.TimeoutExpired:
