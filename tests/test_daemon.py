@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import signal
 import socket
+import subprocess
+import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from transport import protocol as p
 from transport.client import Client, ConnectionLost, RequestError
@@ -125,3 +131,100 @@ def test_a_second_signal_exits_at_once(model: Path, tmp_path: Path) -> None:
         elapsed = anyio.run(signal_twice_while_draining, daemon)
         status = daemon.wait()
     assert status == 1 and elapsed < 5
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Every sample of the metrics endpoint, keyed by name and labels."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
+def test_the_metrics_endpoint_counts_the_traffic(model: Path, tmp_path: Path) -> None:
+    endpoint, port = f"ipc://{tmp_path}/d.sock", free_port()
+    args = serve_args(model, endpoint, "--metrics-address", f"127.0.0.1:{port}")
+
+    async def three_requests() -> None:
+        async with Client.connect(endpoint) as client:
+            for i in range(3):
+                await client.complete([i + 1, 2, 3, 4], max_tokens=8, ignore_eos=True)
+
+    with Supervised(args, endpoint):
+        before = scrape(port)
+        anyio.run(three_requests)
+        deadline = time.monotonic() + 5
+        after = scrape(port)
+        while (
+            after["slotserve_generated_tokens_total"]
+            < before["slotserve_generated_tokens_total"] + 24
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.1)
+            after = scrape(port)
+
+    def moved(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert moved("slotserve_generated_tokens_total") == 24
+    assert moved("slotserve_prompt_tokens_total") == 12
+    assert moved("slotserve_requests_total{outcome=length}") == 3
+    assert moved("slotserve_requests_submitted_total") == 3
+    assert moved("slotserve_ttft_seconds_count") == 3
+    assert moved("slotserve_itl_seconds_count") == 3 * 7
+    assert moved("slotserve_step_seconds_count") >= 8
+    assert after["slotserve_active_slots"] == 0 and after["slotserve_queue_depth"] == 0
+
+
+def test_sighup_reopens_the_log_file(model: Path, tmp_path: Path) -> None:
+    endpoint, log = f"ipc://{tmp_path}/d.sock", tmp_path / "slotserve.log"
+    args = serve_args(model, endpoint, "--metrics-address", "", "--log-format", "json")
+    with Supervised([*args, "--log-file", str(log)], endpoint) as daemon:
+        log.rename(tmp_path / "slotserve.log.1")
+        daemon.signal(signal.SIGHUP)
+        deadline = time.monotonic() + 5
+        while not (log.exists() and "reopened" in log.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert daemon.returncode == 0
+    rotated = [json.loads(line) for line in (tmp_path / "slotserve.log.1").read_text().splitlines()]
+    assert any(entry["msg"].startswith("ready") for entry in rotated)
+    fresh = [json.loads(line)["msg"] for line in log.read_text().splitlines()]
+    assert fresh[0].startswith("SIGHUP: reopened") and fresh[-1] == "stopped"
+
+
+def test_a_bad_config_file_exits_2_naming_the_key(model: Path, tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text(f'model = "{model}"\nslots = 0\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "transport.cli", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "slots: expected an integer >= 1" in done.stderr and str(config) in done.stderr
+
+
+SYSTEMD_UNIT = Path(__file__).parent.parent / "deploy" / "slotserve.service"
+
+
+@pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed"
+)
+def test_the_systemd_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    """The unit as shipped, with ExecStart pointed at this checkout's `slotserve` (verify
+    checks that the command exists; the shipped path is the install location)."""
+    slotserve = Path(sys.executable).parent / "slotserve"
+    unit = tmp_path / "slotserve.service"
+    unit.write_text(
+        SYSTEMD_UNIT.read_text().replace("/opt/slotserve/.venv/bin/slotserve", str(slotserve))
+    )
+    done = subprocess.run(
+        ["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""

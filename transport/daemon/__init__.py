@@ -120,6 +120,7 @@ async def _serve(config: DaemonConfig, reopen: logs.ReopenableFileHandler | None
                 tg.start_soon(metrics.refresh_forever)
                 log.info("warming up")
                 log.info("warm-up step took %.2f s", await warm_up(scheduler))
+                metrics.refresh()  # counters start from the warmed-up state
                 server.state = p.ServerState.READY
                 where = f"; metrics on http://{config.metrics_address}/metrics" if http else ""
                 log.info("ready: serving %s on %s%s", info.name, ", ".join(endpoints), where)
