@@ -191,22 +191,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def load(
     config_file: Path | None, env: Mapping[str, str], flags: Mapping[str, str | None]
 ) -> DaemonConfig:
-    """Merge the sources (flag > env > file > default) and validate every key given.
+    """Merge the sources (flag > env > file > default), then validate the value that won
+    for each key (an overridden bad value in the file is not an error).
 
     Raises `ConfigError` for an unreadable file, an unknown key, a bad value or a
     missing model, naming the key and its source.
     """
-    values: dict[str, Any] = {}
+    given: dict[str, tuple[Any, str]] = {}
     if config_file is not None:
         for name, value in _read_toml(config_file).items():
-            values[name] = _parse(name, value, f"{config_file}")
+            given[name] = value, str(config_file)
     for key in KEYS:
         if key.env in env:
-            values[key.name] = _parse(key.name, env[key.env], f"environment {key.env}")
+            given[key.name] = env[key.env], f"environment {key.env}"
         if flags.get(key.name) is not None:
-            values[key.name] = _parse(key.name, flags[key.name], f"flag {key.flag}")
-    if "model" not in values:
+            given[key.name] = flags[key.name], f"flag {key.flag}"
+    if "model" not in given:
         raise ConfigError("model: required; set it in the config file, SLOTSERVE_MODEL or --model")
+    values = {name: _parse(name, value, source) for name, (value, source) in given.items()}
     return dataclasses.replace(DaemonConfig(values.pop("model")), **values)
 
 

@@ -1,0 +1,99 @@
+"""The daemon's settings: sources, precedence and the errors a bad value gets."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from transport import cli
+from transport.config import KEYS, ConfigError, DaemonConfig, load
+
+EXAMPLE = Path(__file__).parent.parent / "deploy" / "slotserve.toml"
+
+
+@pytest.fixture(scope="module")
+def model(make_model: Callable[..., Path]) -> Path:
+    return make_model("tiny")
+
+
+def no_flags(**given: str) -> dict[str, str | None]:
+    return {key.name: given.get(key.name) for key in KEYS}
+
+
+def test_a_flag_beats_the_environment_which_beats_the_file_which_beats_the_default(
+    model: Path, tmp_path: Path
+) -> None:
+    file = tmp_path / "s.toml"
+    file.write_text(f'model = "{model}"\nslots = 3\ncontext = 512\ndrain_timeout = 7\n')
+    env = {"SLOTSERVE_SLOTS": "5", "SLOTSERVE_CONTEXT": "1024"}
+    config = load(file, env, no_flags(slots="6"))
+    assert (config.slots, config.context, config.drain_timeout) == (6, 1024, 7.0)
+    assert config.max_queue == DaemonConfig(model).max_queue
+
+
+def test_the_example_config_is_valid_and_says_what_it_means(model: Path) -> None:
+    config = load(EXAMPLE, {}, no_flags(model=str(model)))
+    assert config.endpoints == ("tcp://127.0.0.1:5555", "ipc:///run/slotserve/slotserve.sock")
+    assert config.log_file is None and config.pid_file is None and config.memory_budget is None
+    assert config.metrics_host_port == ("127.0.0.1", 9464)
+
+
+def test_sizes_lists_and_empty_strings_parse_from_the_environment(model: Path) -> None:
+    env = {
+        "SLOTSERVE_MODEL": str(model),
+        "SLOTSERVE_MEMORY_BUDGET": "1.5GiB",
+        "SLOTSERVE_ENDPOINTS": "tcp://127.0.0.1:1, ipc:///tmp/x",
+        "SLOTSERVE_METRICS_ADDRESS": "",
+        "SLOTSERVE_SPECULATION": "off",
+    }
+    config = load(None, env, no_flags())
+    assert config.memory_budget == 3 << 29
+    assert config.endpoints == ("tcp://127.0.0.1:1", "ipc:///tmp/x")
+    assert config.metrics_host_port is None and config.max_draft == 0
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("slots = 0", "slots: expected an integer >= 1"),
+        ('slots = "many"', "slots: expected an integer >= 1"),
+        ("drain_timeout = -1", "drain_timeout: expected a number of seconds >= 0"),
+        ('log_format = "xml"', "log_format: expected one of plain, json"),
+        ('memory_budget = "lots"', "memory_budget: expected bytes"),
+        ('endpoints = ["http://x"]', "endpoints: expected tcp://host:port or ipc://path"),
+        ('metrics_address = "9464"', 'metrics_address: expected "host:port"'),
+        ("slot = 4", "slot: unknown key"),
+        ("slots = [", ".*: not valid TOML"),
+    ],
+)
+def test_a_bad_value_is_refused_naming_the_key_and_the_file(
+    model: Path, tmp_path: Path, toml: str, message: str
+) -> None:
+    file = tmp_path / "bad.toml"
+    file.write_text(toml + "\n")
+    with pytest.raises(ConfigError, match="^" + message.replace("[", r"\[")) as e:
+        load(file, {}, no_flags(model=str(model)))
+    assert str(file) in str(e.value)
+
+
+def test_a_bad_environment_value_names_the_variable(model: Path) -> None:
+    env = {"SLOTSERVE_DRAIN_TIMEOUT": "soon"}
+    with pytest.raises(ConfigError, match="environment SLOTSERVE_DRAIN_TIMEOUT"):
+        load(None, env, no_flags(model=str(model)))
+
+
+def test_serve_without_a_model_exits_2_saying_how_to_set_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SLOTSERVE_MODEL", raising=False)
+    assert cli.main(["serve"]) == 2
+    assert "model: required" in capsys.readouterr().err
+
+
+def test_serve_with_a_missing_model_file_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["serve", "--model", str(tmp_path / "none.gguf")]) == 2
+    assert "model: no such file" in capsys.readouterr().err
