@@ -24,9 +24,7 @@ $(VENV)/.dev: pyproject.toml | $(BIN)/python
 	touch $(VENV)/.runtime $@
 
 demo: $(VENV)/.runtime
-	mkdir -p $(DEMO_DIR)
-	test -f $(DEMO_MODEL) || $(BIN)/slotserve make-model $(DEMO_MODEL) --preset demo
-	$(BIN)/slotserve generate $(DEMO_MODEL) --prompt "def fibonacci(n):" --max-tokens 48
+	$(BIN)/slotserve demo
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check engine scheduler transport tests bench

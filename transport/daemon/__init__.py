@@ -19,7 +19,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
+from typing import NoReturn
 
 import anyio
 import mlx.core as mx
@@ -42,17 +44,31 @@ EXIT_AT_ONCE = 1  # the status of a second stop signal
 SEND_GRACE_S = 5.0  # after the drain, how long terminal messages may take to leave
 
 
-def run(config: DaemonConfig) -> int:
-    """Serve until stopped by a signal; returns the exit status (0 after a clean drain)."""
+def run(config: DaemonConfig) -> NoReturn:
+    """Serve until stopped by a signal, then end the process: status 0 after a clean
+    drain, 1 on a second signal or an error.
+
+    The process ends with `os._exit` once logs are flushed and the pid file removed:
+    native teardown of MLX's per-thread streams at interpreter exit intermittently
+    aborts ("terminate called without an active exception", status -6), which would
+    turn a clean drain into a crash for the service manager.
+    """
+    status = 1
     reopen = logs.configure(config.log_format, config.log_level, config.log_file)
     if config.pid_file is not None:
         config.pid_file.write_text(f"{os.getpid()}\n")
     try:
         anyio.run(_serve, config, reopen)
-        return 0
+        status = 0
+    except Exception:
+        log.exception("the daemon failed")
     finally:
         if config.pid_file is not None:
             config.pid_file.unlink(missing_ok=True)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
