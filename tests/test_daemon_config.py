@@ -97,3 +97,10 @@ def test_serve_with_a_missing_model_file_exits_2(
 ) -> None:
     assert cli.main(["serve", "--model", str(tmp_path / "none.gguf")]) == 2
     assert "model: no such file" in capsys.readouterr().err
+
+
+def test_check_validates_the_settings_and_exits_0_without_serving(
+    model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["serve", "--config", str(EXAMPLE), "--model", str(model), "--check"]) == 0
+    assert "settings are valid" in capsys.readouterr().err

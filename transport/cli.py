@@ -148,6 +148,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except config.ConfigError as e:
         print(f"slotserve serve: config error: {e}", file=sys.stderr)
         return 2
+    if args.check:
+        print(f"slotserve serve: settings are valid: {settings}", file=sys.stderr)
+        return 0
     return daemon.run(settings)
 
 
@@ -220,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     from transport.config import add_arguments
 
     add_arguments(p)
+    p.add_argument("--check", action="store_true", help="validate the settings and exit")
     commands["serve"] = _cmd_serve
 
     p = sub.add_parser("demo", help="a daemon on the demo model under load, then a clean stop")
