@@ -9,7 +9,8 @@ the HTTP thread:
   step time and host overhead (as summaries: `_count` steps, `_sum` seconds).
 * `observe(event)` sees every request event the server relays: TTFT (from the
   Finished timings), inter-token latency (gaps between a request's Deltas, split
-  evenly over the tokens of each Delta) and speculation drafted / accepted.
+  evenly over the tokens of each Delta), speculation drafted / accepted and the
+  controller's choices (decode steps per draft depth).
 """
 
 from __future__ import annotations
@@ -116,6 +117,12 @@ class Metrics:
         self.accepted = Counter(
             f"{PREFIX}_spec_accepted_tokens", "Draft tokens accepted", registry=self.registry
         )
+        self.depth_steps = Counter(
+            f"{PREFIX}_spec_depth_steps",
+            "Decode steps of finished requests by the draft depth the controller chose (0: plain)",
+            ["depth"],
+            registry=self.registry,
+        )
         self._last_delta: dict[str, float] = {}  # request id -> when its last Delta came
 
     def observe(self, event: s.Event) -> None:
@@ -135,6 +142,8 @@ class Metrics:
             self.ttft.observe(event.timings.ttft_s)
         self.drafted.inc(event.spec.drafted)
         self.accepted.inc(event.spec.accepted)
+        for depth, steps in event.spec.depth_choices:
+            self.depth_steps.labels(str(depth)).inc(steps)
 
     def refresh(self) -> None:
         self._snapshot.stats = self.scheduler.stats()
