@@ -182,16 +182,22 @@ def test_the_metrics_endpoint_counts_the_traffic(model: Path, tmp_path: Path) ->
     assert after["slotserve_active_slots"] == 0 and after["slotserve_queue_depth"] == 0
 
 
-def test_sighup_reopens_the_log_file(model: Path, tmp_path: Path) -> None:
+def test_sighup_reopens_the_log_file_and_the_pid_file_lives_as_long_as_the_process(
+    model: Path, tmp_path: Path
+) -> None:
     endpoint, log = f"ipc://{tmp_path}/d.sock", tmp_path / "slotserve.log"
+    pid_file = tmp_path / "slotserve.pid"
     args = serve_args(model, endpoint, "--metrics-address", "", "--log-format", "json")
-    with Supervised([*args, "--log-file", str(log)], endpoint) as daemon:
+    args += ["--log-file", str(log), "--pid-file", str(pid_file)]
+    with Supervised(args, endpoint) as daemon:
+        assert daemon.proc is not None
+        assert pid_file.read_text() == f"{daemon.proc.pid}\n"
         log.rename(tmp_path / "slotserve.log.1")
         daemon.signal(signal.SIGHUP)
         deadline = time.monotonic() + 5
         while not (log.exists() and "reopened" in log.read_text()) and time.monotonic() < deadline:
             time.sleep(0.05)
-    assert daemon.returncode == 0
+    assert daemon.returncode == 0 and not pid_file.exists()
     rotated = [json.loads(line) for line in (tmp_path / "slotserve.log.1").read_text().splitlines()]
     assert any(entry["msg"].startswith("ready") for entry in rotated)
     fresh = [json.loads(line)["msg"] for line in log.read_text().splitlines()]

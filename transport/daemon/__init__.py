@@ -11,7 +11,8 @@ Life of the process (`run`):
    SHUTTING_DOWN, the scheduler lets running requests finish for up to
    `drain_timeout` seconds (then ends them with SHUTTING_DOWN), every terminal
    message is sent, and the process exits 0. A second SIGTERM/SIGINT exits at
-   once with status 1. SIGHUP reopens the log file.
+   once with status 1. SIGHUP reopens the log file. A signal before the
+   signal handlers are in place (while the model loads) has its default effect.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import NoReturn
 
 import anyio
@@ -127,7 +129,7 @@ async def _serve(config: DaemonConfig, reopen: logs.ReopenableFileHandler | None
     try:
         # Signals are watched until the very end, so a second one always exits at once.
         async with anyio.create_task_group() as signals:
-            signals.start_soon(_handle_signals, stop, reopen)
+            signals.start_soon(_handle_signals, stop, reopen, config.pid_file)
             async with (
                 scheduler.running(),
                 server.running() as endpoints,
@@ -142,7 +144,6 @@ async def _serve(config: DaemonConfig, reopen: logs.ReopenableFileHandler | None
                 log.info("ready: serving %s on %s%s", info.name, ", ".join(endpoints), where)
                 await stop.wait()
                 await _drain(scheduler, server, config.drain_timeout)
-                metrics.refresh()
                 tg.cancel_scope.cancel()
             signals.cancel_scope.cancel()
     finally:
@@ -162,7 +163,9 @@ async def _drain(scheduler: s.Scheduler, server: Server, timeout_s: float) -> No
         log.warning("some terminal messages were still unsent at exit")
 
 
-async def _handle_signals(stop: anyio.Event, reopen: logs.ReopenableFileHandler | None) -> None:
+async def _handle_signals(
+    stop: anyio.Event, reopen: logs.ReopenableFileHandler | None, pid_file: Path | None
+) -> None:
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             name = signal.Signals(signum).name
@@ -175,5 +178,7 @@ async def _handle_signals(stop: anyio.Event, reopen: logs.ReopenableFileHandler 
                 stop.set()
             else:
                 log.warning("%s again: exiting at once", name)
+                if pid_file is not None:
+                    pid_file.unlink(missing_ok=True)
                 logging.shutdown()
                 os._exit(EXIT_AT_ONCE)

@@ -16,10 +16,11 @@ from pathlib import Path
 from types import TracebackType
 
 import anyio
+import zmq
 
 from transport import loadgen, loadreport
 from transport import protocol as p
-from transport.client import Client, ClientError
+from transport.sockets import resolve_endpoint
 
 DEMO_MODEL = Path("out/demo/demo-qwen35.gguf")
 
@@ -46,11 +47,13 @@ class Supervised:
         self.stop_timeout_s = stop_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
         self.returncode: int | None = None
+        self._context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._probe: zmq.Socket[bytes] | None = None
 
     def __enter__(self) -> Supervised:
         self.proc = subprocess.Popen(self.argv)
         try:
-            anyio.run(self._wait_ready)
+            self._wait_ready()
         except BaseException:
             self.stop()
             raise
@@ -80,21 +83,37 @@ class Supervised:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.returncode = self.proc.wait()
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+        if not self._context.closed:
+            self._context.term()
         return self.returncode
 
-    async def _wait_ready(self) -> None:
+    def _wait_ready(self) -> None:
+        """Ask for Stats over one raw connection until they say READY.
+
+        The connection stays open while the daemon runs: the server tells sessions apart
+        by socket fd, and a probe that disconnected just before the caller connects can
+        have its late disconnect event taken for the caller's (same, reused) fd.
+        """
         assert self.proc is not None
+        self._probe = probe = self._context.socket(zmq.DEALER)
+        probe.setsockopt(zmq.LINGER, 0)
+        probe.connect(resolve_endpoint(self.endpoint))
+        probe.send(p.encode(p.Hello(p.PROTOCOL_MAJOR, p.PROTOCOL_MINOR, "supervisor")))
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise DaemonFailed(f"the daemon exited with status {self.proc.returncode}")
-            try:
-                async with Client.connect(self.endpoint, timeout_s=1.0) as client:
-                    if (await client.stats()).state == p.ServerState.READY:
-                        return
-            except (ClientError, TimeoutError):
-                pass
-            await anyio.sleep(0.2)
+            if probe.poll(200):
+                msg = p.decode_server(probe.recv())
+                if isinstance(msg, p.Stats) and msg.state == p.ServerState.READY:
+                    return
+                if not isinstance(msg, p.Welcome | p.Stats):
+                    raise DaemonFailed(f"the daemon answered the probe with {msg}")
+                time.sleep(0.05)
+                probe.send(p.encode(p.GetStats()))
         raise DaemonFailed(f"the daemon was not ready within {self.ready_timeout_s:.0f} s")
 
 
