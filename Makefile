@@ -3,8 +3,6 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-DEMO_DIR ?= out/demo
-DEMO_MODEL ?= $(DEMO_DIR)/demo-qwen35.gguf
 
 .PHONY: demo test lint typecheck bench clean
 
