@@ -13,6 +13,12 @@ A connection is dropped, and its requests cancelled, when its socket closes
 heartbeat timeout, or when it says Bye or Hello again. A connection whose
 outbox overflows (a slow consumer) has its requests cancelled with an error, so
 the scheduler never waits for a reader.
+
+The monitor names a connection only by its file descriptor, which the OS hands to
+the next connection as soon as it is closed; so every accepted connection gets a
+number of its own, and a session belongs to that number, never to the bare fd. A
+late disconnect of a connection that said Bye therefore cannot end the session of
+the connection that took its fd next.
 """
 
 from __future__ import annotations
@@ -100,7 +106,7 @@ class ModelInfo:
 class _Session:
     identity: bytes
     number: int  # unique per session: scheduler request ids are "number/request_id"
-    fd: int  # the connection's socket, to match disconnect events
+    connection: int  # the accepted connection it came on (`Server._open`), to match its end
     last_seen: float
     requests: dict[int, s.RequestHandle] = field(default_factory=dict)
     outbox: deque[bytes] = field(default_factory=deque)
@@ -137,7 +143,9 @@ class Server:
         self.slow_consumers = 0
         self.dead_clients = 0
         self._sessions: dict[bytes, _Session] = {}
-        self._by_fd: dict[int, _Session] = {}
+        self._accepted = 0  # connections accepted so far; each is numbered by the count
+        self._open: dict[int, int] = {}  # fd -> number of the connection open on it now
+        self._by_connection: dict[int, _Session] = {}
         self._numbers = 0
         self._dirty: dict[_Session, None] = {}  # sessions with something to flush, in order
         self._flush_wanted = anyio.Event()
@@ -160,7 +168,7 @@ class Server:
             # ZMTP pings drop dead tcp peers; the disconnect then reaches the monitor.
             sock.setsockopt(zmq.HEARTBEAT_IVL, round(cfg.heartbeat_interval_s * 1000))
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, round(cfg.heartbeat_timeout_s * 1000))
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
             endpoints = [bind(sock, e) for e in cfg.endpoints]
             self._sock, self._monitor = AsyncSocket(sock), AsyncSocket(monitor)
             async with anyio.create_task_group() as tg:
@@ -243,15 +251,23 @@ class Server:
         old = self._sessions.get(identity)
         if old is not None:
             self._drop(old)
-        fd = int(frame.get(zmq.SRCFD))
-        if fd in self._by_fd:
-            # The fd was closed and reused, so its disconnect event is already queued.
-            self._drain_monitor()
-            if fd in self._by_fd:
-                self._drop(self._by_fd[fd])
+        # libzmq queues a connection's ACCEPTED before it reads from it, and its DISCONNECTED
+        # before it closes the fd: every event of the connection this Hello came on, and of
+        # all earlier ones on the same fd number, is in the monitor now. Read them all; then
+        # the fd names this message's connection, or none if it has closed already.
+        self._drain_monitor()
+        connection = self._open.get(int(frame.get(zmq.SRCFD)))
+        if connection is None:
+            log.info("a Hello from a connection that has closed already: no session")
+            return
+        earlier = self._by_connection.get(connection)
+        if earlier is not None:
+            # One connection has one routing id: that session's Hello was still queued when
+            # its own connection closed and this one took the fd. Its peer is gone.
+            self._drop(earlier, dead=True)
         self._numbers += 1
-        session = _Session(identity, self._numbers, fd, time.monotonic())
-        self._sessions[identity] = self._by_fd[fd] = session
+        session = _Session(identity, self._numbers, connection, time.monotonic())
+        self._sessions[identity] = self._by_connection[connection] = session
         cfg, model = self.config, self.model
         welcome = p.Welcome(
             p.PROTOCOL_MAJOR,
@@ -432,11 +448,25 @@ class Server:
             self._on_monitor_event(frames)
 
     def _on_monitor_event(self, frames: list[bytes]) -> None:
+        """Number each accepted connection by its fd; a disconnect ends the session of the
+        connection open on that fd, which events read in order always identify."""
         event = parse_monitor_message(frames)
-        if event["event"] == zmq.EVENT_DISCONNECTED:
-            session = self._by_fd.get(int(event["value"]))
-            if session is not None:
-                self._drop(session, dead=True)
+        fd = int(event["value"])
+        if event["event"] == zmq.EVENT_ACCEPTED:
+            self._accepted += 1
+            closed = self._open.get(fd)  # not reported closed, yet its fd is reused
+            self._open[fd] = self._accepted
+            if closed is not None:
+                self._connection_closed(closed)
+        elif event["event"] == zmq.EVENT_DISCONNECTED:
+            closed = self._open.pop(fd, None)
+            if closed is not None:
+                self._connection_closed(closed)
+
+    def _connection_closed(self, connection: int) -> None:
+        session = self._by_connection.pop(connection, None)
+        if session is not None:
+            self._drop(session, dead=True)
 
     def _drop(self, session: _Session, dead: bool = False) -> None:
         """Forget a session and cancel its requests; nothing more is sent to it."""
@@ -447,8 +477,8 @@ class Server:
         self.dead_clients += dead
         if self._sessions.get(session.identity) is session:
             del self._sessions[session.identity]
-        if self._by_fd.get(session.fd) is session:
-            del self._by_fd[session.fd]
+        if self._by_connection.get(session.connection) is session:
+            del self._by_connection[session.connection]
         for handle in list(session.requests.values()):
             handle.cancel()
 
