@@ -211,9 +211,10 @@ class SlotPool:
 
     def read(self, slot_idx: mx.array, past: int) -> list[mx.array]:
         """Stacked state of the rows `slot_idx`: k, v (the first `past` entries), conv, ssm."""
+        # Slice before gathering: indexing first would copy every row's whole context.
         return [
-            self.k[:, slot_idx, :past],
-            self.v[:, slot_idx, :past],
+            self.k[:, :, :past][:, slot_idx],
+            self.v[:, :, :past][:, slot_idx],
             self.conv[:, slot_idx],
             self.ssm[:, slot_idx],
         ]
@@ -304,7 +305,7 @@ class SlotPool:
                 )
         idx = mx.array(slots, dtype=mx.int32)
         past = max(starts)
-        return AttentionState(self.mtp_k[idx, :past], self.mtp_v[idx, :past])
+        return AttentionState(self.mtp_k[:, :past][idx], self.mtp_v[:, :past][idx])
 
     def write_mtp(
         self,
