@@ -1,0 +1,361 @@
+"""What every benchmark script shares: model files, contender workers, the machine, the report.
+
+Each contender lives in its own worker process (multiprocessing, spawn), so our
+engine can run with and without a preloaded BLAS in the same run, llama.cpp's
+threads never share a process with MLX, and the driver can alternate
+contenders sample by sample. Only one worker computes at a time; the others
+wait on their pipe. Timing happens inside the worker, around the work only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from importlib import metadata
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT_DIR = ROOT / "out" / "bench"
+# Debian's OpenBLAS (package libopenblas0-pthread); MLX's Linux wheel bundles reference BLAS.
+OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
+
+if str(ROOT) not in sys.path:  # `python bench/x.py` puts bench/, not the root, on the path
+    sys.path.insert(0, str(ROOT))
+
+
+def bench_model(preset_name: str, quant: str) -> Path:
+    """The GGUF of `preset_name` in `quant`, written once into out/bench/ (keyed by its spec)."""
+    from engine.writer import preset, write_model
+
+    spec = dataclasses.replace(preset(preset_name), quant=quant)
+    digest = hashlib.sha256(repr(spec).encode()).hexdigest()[:8]
+    path = OUT_DIR / f"{preset_name}-{quant}-{digest}.gguf"
+    if not path.exists():
+        OUT_DIR.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        write_model(tmp, spec)
+        tmp.replace(path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# Contender workers
+
+
+@dataclass(frozen=True)
+class Side:
+    """One contender of a run: `kind` is "ours" or "llama"; `env` is set in its process."""
+
+    name: str
+    kind: str
+    options: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    cores: int = 1  # how many cores it can keep busy: the rest are free for other processes
+
+
+def sides_for(blas: Sequence[str], compile: bool, n_threads: int, kv_dtype: str) -> list[Side]:
+    """Our engine once per BLAS in `blas` ("bundled" | "openblas"), then llama.cpp."""
+    sides = []
+    for b in blas:
+        name = "ours" if b == "bundled" else f"ours+{b}"
+        env = {}
+        if b == "openblas":
+            if not OPENBLAS.exists():
+                raise SystemExit(f"{OPENBLAS} missing: apt-get install -y libopenblas0-pthread")
+            env = {"LD_PRELOAD": str(OPENBLAS), "OPENBLAS_NUM_THREADS": str(n_threads)}
+        elif b != "bundled":
+            raise SystemExit(f"unknown BLAS {b!r}; use bundled or openblas")
+        opts = {"kv_dtype": kv_dtype, "compile": compile}
+        # MLX's CPU backend runs its ops on one thread; only OpenBLAS brings threads of its own.
+        sides.append(Side(name, "ours", opts, env, cores=n_threads if env else 1))
+    llama_opts = {"n_threads": n_threads, "kv_dtype": kv_dtype}
+    sides.append(Side("llama.cpp", "llama", llama_opts, cores=n_threads))
+    return sides
+
+
+class Worker:
+    """A process holding one contender on one model; `call(fn, **kw)` runs `fn(contender, **kw)`
+    there and returns its result. `fn` must be a module-level function (it is pickled by name)."""
+
+    def __init__(self, side: Side, model: Path) -> None:
+        self.side = side
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        with _environment(side.env):  # a spawned child inherits os.environ as it is at start()
+            self.proc = ctx.Process(
+                target=_serve, args=(child, side, str(model)), name=side.name, daemon=True
+            )
+            self.proc.start()
+        child.close()
+        self._answer()  # the contender is loaded
+
+    def call(self, fn: Callable[..., Any], **kw: Any) -> Any:
+        self.conn.send((fn, kw))
+        return self._answer()
+
+    def _answer(self) -> Any:
+        try:
+            status, value = self.conn.recv()
+        except EOFError:
+            self.proc.join(timeout=5)
+            raise RuntimeError(
+                f"worker {self.side.name} died (exit {self.proc.exitcode})"
+            ) from None
+        if status != "ok":
+            raise RuntimeError(f"worker {self.side.name} failed:\n{value}")
+        return value
+
+    def close(self) -> None:
+        with suppress(OSError):  # it may have died already
+            self.conn.send(None)
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.terminate()
+
+
+@contextmanager
+def workers(sides: Sequence[Side], model: Path) -> Iterator[list[Worker]]:
+    started: list[Worker] = []
+    try:
+        for side in sides:
+            started.append(Worker(side, model))
+        yield started
+    finally:
+        for w in started:
+            w.close()
+
+
+@contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _serve(conn: Connection, side: Side, model: str) -> None:
+    import peers
+
+    try:
+        cls = peers.Ours if side.kind == "ours" else peers.LlamaCpp
+        contender = cls(model, name=side.name, **side.options)
+        conn.send(("ok", None))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while (msg := conn.recv()) is not None:
+        fn, kw = msg
+        try:
+            conn.send(("ok", fn(contender, **kw)))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring under interference
+
+
+class Meter:
+    """Times a block: wall seconds, this process's cores busy, and everyone else's.
+
+    `others` is the machine's busy CPU time (/proc/stat) minus this process's, per wall
+    second: how many cores other processes took while we measured. On a shared machine that
+    is the noise; the driver re-runs samples that saw too much of it (`measure`).
+    """
+
+    wall: float
+    cores: float
+    others: float
+
+    def __enter__(self) -> Meter:
+        self._t, self._c, self._b = time.perf_counter(), time.process_time(), _busy_seconds()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall = time.perf_counter() - self._t
+        own = time.process_time() - self._c
+        self.cores = own / self.wall
+        self.others = max(0.0, _busy_seconds() - self._b - own) / self.wall
+
+
+def _busy_seconds() -> float:
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = map(
+            int, f.readline().split()[1:9]
+        )
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def add_noise_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--quiet",
+        type=float,
+        default=0.25,
+        help="re-run a sample while other processes took more than this many cores beyond "
+        "those the contender leaves free (default %(default)s)",
+    )
+    p.add_argument("--retries", type=int, default=3, help="re-runs per disturbed sample")
+
+
+def measure(
+    w: Worker, fn: Callable[..., dict[str, Any]], quiet: float, retries: int, **kw: Any
+) -> dict[str, Any]:
+    """`w.call(fn, **kw)`, re-run up to `retries` times while other processes took more than
+    `quiet` cores beyond those the contender leaves free (`fn` returns its `others`); the
+    least disturbed result is kept."""
+    free = max(0, (os.cpu_count() or 1) - w.side.cores)
+    best = w.call(fn, **kw)
+    for _ in range(retries):
+        if best["others"] <= free + quiet:
+            break
+        res = w.call(fn, **kw)
+        if res["others"] < best["others"]:
+            best = res
+    return best
+
+
+def noise_line(samples: Sequence[dict[str, Any]]) -> str:
+    others = sorted(s["others"] for s in samples)
+    return (
+        f"\nother processes took {median(others):.2f} cores (median), {others[-1]:.2f} (max) "
+        f"during the {len(others)} kept samples"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs and statistics
+
+
+def prompt_tokens(n: int, seed: int, n_vocab: int = 32768) -> list[int]:
+    """`n` reproducible token ids clear of the byte tokens and the specials at the top."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(300, n_vocab - 300, size=n)]
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+STATS: dict[str, Callable[[Sequence[float]], float]] = {"best": max, "median": median}
+"""How the table sums up a contender's tok/s samples. "best": on a shared machine noise only
+ever slows a run down, so the fastest sample is the least disturbed one."""
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ----------------------------------------------------------------------------------------------
+# The machine and the report
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers depend on: CPU, cores, memory, library versions, date, load."""
+    cpu = {}
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "cpu family", "model", "flags") and key not in cpu:
+                cpu[key] = value.strip()
+    flags = set(cpu.pop("flags", "").split())
+    simd = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+    with open("/proc/meminfo") as f:
+        mem_kb = int(f.readline().split()[1])
+    return {
+        "cpu": cpu.get("model name", platform.processor()),
+        "cpu_family_model": f"{cpu.get('cpu family')}/{cpu.get('model')}",
+        "simd": simd,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem_kb / 2**20, 1),
+        "python": platform.python_version(),
+        "mlx": _version("mlx"),
+        "llama_cpp_python": _version("llama_cpp_python"),
+        "numpy": _version("numpy"),
+        "openblas": _dpkg_version("libopenblas0-pthread"),
+        "commit": _git("rev-parse", "--short", "HEAD"),
+        "engine_dirty": bool(_git("status", "--porcelain", "engine")),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _dpkg_version(package: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["dpkg-query", "-W", "-f=${Status} ${Version}", package],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
+    except FileNotFoundError:
+        return None
+    return out.split()[-1] if out.startswith("install ok installed") else None
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, capture_output=True, text=True, check=False
+        ).stdout.strip()
+    except FileNotFoundError:
+        return ""
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(c) for c in header]] + [[_cell(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(cells[0], widths, strict=True)) + " |"]
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in cells[1:]:
+        lines.append("| " + " | ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) + " |")
+    return "\n".join(lines)
+
+
+def _cell(c: object) -> str:
+    if isinstance(c, float):
+        return f"{c:.3f}" if abs(c) < 10 else f"{c:.1f}"
+    return str(c)
+
+
+def write_json(name: str, record: dict[str, Any], out: Path | None = None) -> Path:
+    path = out or OUT_DIR / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return path

@@ -1,0 +1,194 @@
+"""The two contenders of every benchmark, behind one small interface.
+
+`Ours` drives slotserve's `ModelRunner`; `LlamaCpp` drives llama.cpp through
+llama-cpp-python's C API. Both hold `n_seq` sequences and run ONE forward per
+call for all of them:
+
+* `start(n_seq, n_ctx)` — fresh, empty state for `n_seq` sequences of up to
+  `n_ctx` tokens each (untimed setup);
+* `prefill(prompts)` — one forward over every prompt (sequence i gets
+  `prompts[i]` from position 0); returns the logits at each prompt's last
+  position, `[n_seq, vocab]` float32;
+* `decode(tokens)` — one forward with one token per sequence; returns the
+  next-token logits `[n_seq, vocab]`.
+
+Greedy sampling (argmax on the host) is the caller's, the same for both.
+Heavy imports (MLX, llama.cpp) happen inside the constructors, so each
+contender only loads its own library in its worker process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class Contender(Protocol):
+    name: str
+
+    def start(self, n_seq: int, n_ctx: int) -> None: ...
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> np.ndarray: ...
+
+    def decode(self, tokens: Sequence[int]) -> np.ndarray: ...
+
+
+class Ours:
+    """slotserve: `load_model` + `SlotPool` + `ModelRunner.step`, one step per call."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        name: str = "ours",
+        dtype: str = "float32",
+        kv_dtype: str = "float32",
+        compile: bool = False,
+    ) -> None:
+        import mlx.core as mx
+
+        from engine.models.qwen35 import load_model
+
+        self.name = name
+        self.model = load_model(path, dtype=getattr(mx, dtype))
+        self.kv_dtype = getattr(mx, kv_dtype)
+        self.compile = compile
+        self.runners: dict[tuple[int, int], tuple[Any, list[Any]]] = {}  # compiled steps stay warm
+        self.runner: Any = None
+        self.slots: list[Any] = []
+        self.lengths: list[int] = []
+
+    def start(self, n_seq: int, n_ctx: int) -> None:
+        from engine.cache import SlotPool
+        from engine.runner import ModelRunner
+
+        if (n_seq, n_ctx) in self.runners:
+            self.runner, self.slots = self.runners[n_seq, n_ctx]
+            for slot in self.slots:
+                self.runner.pool.reset(slot)
+        else:
+            pool = SlotPool(self.model.config, n_seq, n_ctx, kv_dtype=self.kv_dtype)
+            kw = {"compile": True} if self.compile else {}
+            self.runner = ModelRunner(self.model, pool, **kw)
+            self.slots = [pool.allocate() for _ in range(n_seq)]
+            self.runners[n_seq, n_ctx] = (self.runner, self.slots)
+        self.lengths = [0] * n_seq
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
+        return self._step([list(p) for p in prompts])
+
+    def decode(self, tokens: Sequence[int]) -> np.ndarray:
+        return self._step([[t] for t in tokens])
+
+    def _step(self, rows: list[list[int]]) -> np.ndarray:
+        from engine.runner import Row
+
+        batch = [
+            Row(slot, toks, start)
+            for slot, toks, start in zip(self.slots, rows, self.lengths, strict=True)
+        ]
+        out = self.runner.step(batch)
+        self.lengths = [n + len(toks) for n, toks in zip(self.lengths, rows, strict=True)]
+        return np.stack([np.array(r.logits[-1]) for r in out.rows])
+
+
+GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
+_SILENT_LOG: Any = None  # kept alive: llama.cpp holds a pointer to it
+
+
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python's C API, one `llama_decode` per call.
+
+    The model is loaded with `use_extra_bufts = False`, as `tests/conftest.py` does: on CPUs
+    reporting AMX, llama.cpp otherwise repacks quantized weights into an AMX buffer that dies
+    with SIGILL in our sandbox (MODEL_SPEC §16). That also turns off its CPU weight repacking
+    (e.g. Q8_0 -> interleaved rows), so this peer is somewhat slower than a stock llama.cpp.
+
+    Every sequence gets its own `seq_id`; `kv_unified=False` gives each its own KV stream of
+    `n_ctx` cells (the layout llama.cpp recommends for sequences without a shared prefix).
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        name: str = "llama.cpp",
+        n_threads: int = 2,
+        kv_dtype: str = "float32",
+        kv_unified: bool = False,
+    ) -> None:
+        import llama_cpp.llama_cpp as capi
+
+        self.capi = capi
+        self.name = name
+        self.n_threads = n_threads
+        self.kv_type = {"float32": GGML_TYPE_F32, "float16": GGML_TYPE_F16}[kv_dtype]
+        self.kv_unified = kv_unified
+        global _SILENT_LOG
+        if _SILENT_LOG is None:  # llama.cpp's loader warnings would drown the table
+            _SILENT_LOG = capi.llama_log_callback(lambda level, text, user_data: None)
+            capi.llama_log_set(_SILENT_LOG, ctypes.c_void_p(0))
+        capi.llama_backend_init()
+        mp = capi.llama_model_default_params()
+        mp.use_extra_bufts = False
+        self.model = capi.llama_model_load_from_file(str(path).encode(), mp)
+        if not self.model:
+            raise RuntimeError(f"{path}: llama.cpp could not load the model")
+        self.n_vocab = capi.llama_vocab_n_tokens(capi.llama_model_get_vocab(self.model))
+        self.contexts: dict[tuple[int, int], tuple[Any, Any]] = {}  # (context, batch)
+        self.ctx: Any = None
+        self.batch: Any = None
+        self.lengths: list[int] = []
+
+    def start(self, n_seq: int, n_ctx: int) -> None:
+        capi = self.capi
+        self.lengths = [0] * n_seq
+        if (n_seq, n_ctx) in self.contexts:
+            self.ctx, self.batch = self.contexts[n_seq, n_ctx]
+            capi.llama_memory_clear(capi.llama_get_memory(self.ctx), True)
+            return
+        per_seq = -(-n_ctx // 256) * 256  # llama.cpp pads the context to 256 cells
+        cp = capi.llama_context_default_params()
+        cp.n_ctx = per_seq * n_seq
+        cp.n_batch = cp.n_ubatch = max(512, n_ctx * n_seq)
+        cp.n_seq_max = n_seq
+        cp.n_threads = cp.n_threads_batch = self.n_threads
+        cp.type_k = cp.type_v = self.kv_type
+        cp.kv_unified = self.kv_unified
+        self.ctx = capi.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not create a context for {n_seq} sequences")
+        self.batch = capi.llama_batch_init(cp.n_batch, 0, 1)
+        self.contexts[n_seq, n_ctx] = (self.ctx, self.batch)
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
+        return self._decode([list(p) for p in prompts])
+
+    def decode(self, tokens: Sequence[int]) -> np.ndarray:
+        return self._decode([[t] for t in tokens])
+
+    def _decode(self, rows: list[list[int]]) -> np.ndarray:
+        capi, batch = self.capi, self.batch
+        i, last = 0, []
+        for seq, toks in enumerate(rows):
+            start = self.lengths[seq]
+            for j, tok in enumerate(toks):
+                batch.token[i] = tok
+                batch.pos[i] = start + j
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seq
+                batch.logits[i] = j == len(toks) - 1
+                i += 1
+            last.append(i - 1)
+            self.lengths[seq] = start + len(toks)
+        batch.n_tokens = i
+        rc = capi.llama_decode(self.ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        out = np.empty((len(rows), self.n_vocab), dtype=np.float32)
+        for seq, at in enumerate(last):
+            ptr = capi.llama_get_logits_ith(self.ctx, at)
+            out[seq] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        return out
