@@ -39,11 +39,12 @@ if str(ROOT) not in sys.path:  # `python bench/x.py` puts bench/, not the root, 
     sys.path.insert(0, str(ROOT))
 
 
-def bench_model(preset_name: str, quant: str) -> Path:
-    """The GGUF of `preset_name` in `quant`, written once into out/bench/ (keyed by its spec)."""
+def bench_model(preset_name: str, quant: str, **overrides: Any) -> Path:
+    """The GGUF of `preset_name` in `quant` (and other ModelSpec `overrides`), written once
+    into out/bench/ (keyed by its spec)."""
     from engine.writer import preset, write_model
 
-    spec = dataclasses.replace(preset(preset_name), quant=quant)
+    spec = dataclasses.replace(preset(preset_name), quant=quant, **overrides)
     digest = hashlib.sha256(repr(spec).encode()).hexdigest()[:8]
     path = OUT_DIR / f"{preset_name}-{quant}-{digest}.gguf"
     if not path.exists():

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import os
 import platform
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import harness
 import mlx.core as mx
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +42,6 @@ from engine.models.qwen35 import load_model  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
-from engine.writer import preset, write_model  # noqa: E402
 from scheduler import (  # noqa: E402
     Delta,
     Request,
@@ -54,19 +53,6 @@ from scheduler import (  # noqa: E402
 )
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-def model_file(preset_name: str, quant: str) -> Path:
-    """The GGUF of a preset, written once into out/bench/ (keyed by its spec)."""
-    spec = dataclasses.replace(preset(preset_name), quant=quant)
-    digest = hashlib.sha256(repr(spec).encode()).hexdigest()[:8]
-    path = OUT_DIR / f"{preset_name}-{quant}-{digest}.gguf"
-    if not path.exists():
-        OUT_DIR.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        write_model(tmp, spec)
-        tmp.replace(path)
-    return path
 
 
 class Bench:
@@ -194,7 +180,7 @@ def main() -> None:
     p.add_argument("--json", default=str(OUT_DIR / "scheduler_overhead.json"))
     args = p.parse_args()
 
-    path = model_file(args.preset, args.quant)
+    path = harness.bench_model(args.preset, args.quant)
     dtype = getattr(mx, args.dtype)
     context = max(args.prompt + args.tokens, args.prompt * 2 + 16) + 8
     bench = Bench(path, dtype, max(args.n, args.burst), context, args.compile)

@@ -28,9 +28,7 @@ Prints a markdown table; writes out/bench/spec_decode[_<device>][_compiled].json
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
-import hashlib
 import json
 import platform
 import statistics
@@ -38,6 +36,7 @@ import subprocess
 from importlib import metadata
 from pathlib import Path
 
+import harness
 import mlx.core as mx
 import numpy as np
 
@@ -48,21 +47,11 @@ from engine.runner import ModelRunner
 from engine.spec.drafters import Drafter, MTPDrafter, NgramDrafter
 from engine.spec.offline import Request, Run, generate
 from engine.spec.speculator import Speculator
-from engine.writer import preset, write_model
+from engine.writer import preset
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "out" / "bench"
 CONFIGS = [("plain", "off"), ("ngram", "auto"), ("ngram", "on"), ("mtp", "auto"), ("mtp", "on")]
-
-
-def bench_model(name: str, tied: bool) -> Path:
-    """The preset's f32 GGUF under out/bench/, written once per spec."""
-    spec = dataclasses.replace(preset(name), tied_embeddings=tied)
-    path = OUT / f"{name}-{hashlib.sha256(repr(spec).encode()).hexdigest()[:8]}.gguf"
-    if not path.exists():
-        OUT.mkdir(parents=True, exist_ok=True)
-        write_model(path, spec)
-    return path
 
 
 def repeats_itself(tokens: list[int], share: float = 0.5) -> bool:
@@ -178,7 +167,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.device != "default":
         mx.set_default_device(mx.cpu if args.device == "cpu" else mx.gpu)
-    path = bench_model(args.preset, tied=not args.untied)
+    path = harness.bench_model(
+        args.preset, preset(args.preset).quant, tied_embeddings=not args.untied
+    )
     model = load_model(path)
     ns = [int(x) for x in args.n.split(",")]
     sets = prompt_sets(model, max(ns), args.gen)
