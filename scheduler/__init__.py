@@ -19,6 +19,9 @@ Reading order: request.py (what is asked) -> queue.py, admission.py (who gets a 
 text) -> outcome.py, handle.py (what the caller receives).
 """
 
+# A request's sampling parameters are part of the scheduler's API: the layer above names
+# them through it, never through the engine.
+from engine.sampling import SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.handle import Completion, RequestHandle
 from scheduler.loop import Scheduler
@@ -61,6 +64,7 @@ __all__ = [
     "Rejected",
     "Request",
     "RequestHandle",
+    "SamplingParams",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerStats",

@@ -8,7 +8,6 @@ the other noticing.
 from __future__ import annotations
 
 import scheduler as s
-from engine.sampling import SamplingParams
 from transport import protocol as p
 
 _SPECULATION = {
@@ -41,7 +40,7 @@ def to_request(msg: p.Generate, request_id: str) -> s.Request:
             prompt = text
         case p.ChatPrompt(messages):
             prompt = [{"role": m.role, "content": m.content} for m in messages]
-    sampling = SamplingParams(
+    sampling = s.SamplingParams(
         temperature=msg.temperature,
         top_k=msg.top_k,
         top_p=msg.top_p,
