@@ -166,19 +166,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=32, help="timed decode steps")
     p.add_argument("--reps", type=int, default=3, help="timed samples per contender and N")
     p.add_argument("--warmup", type=int, default=1, help="untimed samples per contender and N")
-    p.add_argument(
-        "--blas",
-        type=lambda s: s.split(","),
-        default=["bundled", "openblas"] if harness.OPENBLAS.exists() else ["bundled"],
-        help="our engine once per BLAS: bundled, openblas (default: both if OpenBLAS is installed)",
-    )
-    p.add_argument("--compile", action="store_true", help="ours: ModelRunner(compile=True)")
-    p.add_argument("--threads", type=int, default=2, help="llama.cpp and OpenBLAS threads")
-    p.add_argument("--kv-dtype", default="float32", choices=["float32", "float16"])
-    p.add_argument("--stat", default="best", choices=sorted(harness.STATS), help="per contender")
-    harness.add_noise_args(p)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="JSON path")
+    harness.add_contender_args(p)
     p.add_argument(
         "--quick",
         action="store_true",

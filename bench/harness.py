@@ -209,6 +209,24 @@ def _busy_seconds() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+def add_contender_args(p: argparse.ArgumentParser) -> None:
+    """Options every ours-vs-llama.cpp script shares: BLAS, threads, KV dtype, statistic,
+    noise handling, seed and JSON path."""
+    p.add_argument(
+        "--blas",
+        type=lambda s: s.split(","),
+        default=["bundled", "openblas"] if OPENBLAS.exists() else ["bundled"],
+        help="our engine once per BLAS: bundled, openblas (default: both if OpenBLAS is installed)",
+    )
+    p.add_argument("--compile", action="store_true", help="ours: ModelRunner(compile=True)")
+    p.add_argument("--threads", type=int, default=2, help="llama.cpp and OpenBLAS threads")
+    p.add_argument("--kv-dtype", default="float32", choices=["float32", "float16"])
+    p.add_argument("--stat", default="best", choices=sorted(STATS), help="per contender")
+    add_noise_args(p)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="JSON path")
+
+
 def add_noise_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quiet",

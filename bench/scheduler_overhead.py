@@ -22,7 +22,6 @@ import os
 import platform
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,18 +30,13 @@ import anyio
 import harness
 import mlx.core as mx
 
-ROOT = Path(__file__).resolve().parent.parent
-OUT_DIR = ROOT / "out" / "bench"
-if str(ROOT) not in sys.path:  # `python bench/x.py` puts bench/, not the root, on the path
-    sys.path.insert(0, str(ROOT))
-
-from engine.cache import SlotPool  # noqa: E402
-from engine.gguf import GGUFFile  # noqa: E402
-from engine.models.qwen35 import load_model  # noqa: E402
-from engine.runner import ModelRunner  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
-from scheduler import (  # noqa: E402
+from engine.cache import SlotPool
+from engine.gguf import GGUFFile
+from engine.models.qwen35 import load_model
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+from engine.tokenizer import Tokenizer
+from scheduler import (
     Delta,
     Request,
     RequestHandle,
@@ -51,6 +45,8 @@ from scheduler import (  # noqa: E402
     Speculation,
     StepTimes,
 )
+
+OUT_DIR = harness.OUT_DIR  # importing harness also puts the repository root on sys.path
 
 GREEDY = SamplingParams(temperature=0.0)
 

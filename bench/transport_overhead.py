@@ -41,23 +41,19 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import harness
 import mlx.core as mx
 import numpy as np
 import zmq
 from anyio.streams.memory import MemoryObjectSendStream
 
-ROOT = Path(__file__).resolve().parent.parent
-OUT_DIR = ROOT / "out" / "bench"
-if str(ROOT) not in sys.path:  # `python bench/x.py` puts bench/, not the root, on the path
-    sys.path.insert(0, str(ROOT))
-
-from engine.cache import SlotPool  # noqa: E402
-from engine.gguf import GGUFFile  # noqa: E402
-from engine.models.qwen35 import Model, load_model  # noqa: E402
-from engine.runner import ModelRunner, Row, RowOutput, StepOutput  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
-from engine.writer import preset, write_model  # noqa: E402
-from scheduler import (  # noqa: E402
+from engine.cache import SlotPool
+from engine.gguf import GGUFFile
+from engine.models.qwen35 import Model, load_model
+from engine.runner import ModelRunner, Row, RowOutput, StepOutput
+from engine.tokenizer import Tokenizer
+from engine.writer import preset, write_model
+from scheduler import (
     Delta,
     Event,
     Finished,
@@ -72,8 +68,10 @@ from scheduler import (  # noqa: E402
     Timings,
     Usage,
 )
-from transport import protocol as p  # noqa: E402
-from transport.server import ModelInfo, Server, ServerConfig  # noqa: E402
+from transport import protocol as p
+from transport.server import ModelInfo, Server, ServerConfig
+
+OUT_DIR = harness.OUT_DIR  # importing harness also puts the repository root on sys.path
 
 PROMPT = [1, 2, 3, 4]
 WARMUP_S = 1.0
