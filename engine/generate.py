@@ -16,6 +16,9 @@ from engine.cache import SlotPool
 from engine.gguf import GGUFFile
 from engine.models.qwen35 import Model
 from engine.runner import ModelRunner, Row
+from engine.sampling import RequestRng, SamplingParams
+from engine.spec.speculator import sample_rows
+from engine.tokenizer import Tokenizer
 
 
 def single_slot_runner(model: Model, context: int, kv_dtype: mx.Dtype = mx.float32) -> ModelRunner:
@@ -55,10 +58,9 @@ def generate_text(
     seed: int = 0,
     chat: bool = False,
 ) -> Iterator[str]:
-    """Stream the text of one continuation of `prompt` (greedy at temperature 0)."""
+    """Stream the text of one continuation of `prompt` (greedy at temperature 0), sampled
+    by the engine's own sampler so it matches a served request with the same seed."""
     f = GGUFFile(path)
-    from engine.tokenizer import Tokenizer
-
     tok = Tokenizer.from_metadata(f.metadata, str(path))
     model = Model(f)
     text = tok.render_chat([{"role": "user", "content": prompt}]) if chat else prompt
@@ -67,21 +69,17 @@ def generate_text(
         raise ValueError("the prompt encodes to no tokens")
     runner = single_slot_runner(model, len(ids) + max_tokens)
     slot = runner.pool.allocate()
-    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=temperature, seed=seed)
+    params.validate(model.config.n_vocab)
+    rng = RequestRng(seed)
     detok = tok.detokenizer()
-    logits = runner.step([Row(slot, ids, 0)]).rows[0].logits[-1]
+    history = list(ids)
+    logits = runner.step([Row(slot, ids, 0)]).rows[0].logits[-1:]
     for _ in range(max_tokens):
-        nxt = _sample(np.array(logits), temperature, rng)
+        (nxt,), _ = sample_rows(logits, [params], [history], [rng])
         if nxt in tok.eog_ids:
             break
+        history.append(nxt)
         yield detok.push(nxt)
-        logits = runner.step([Row(slot, [nxt], runner.pool.lengths[slot])]).rows[0].logits[-1]
+        logits = runner.step([Row(slot, [nxt], runner.pool.lengths[slot])]).rows[0].logits[-1:]
     yield detok.flush()
-
-
-def _sample(logits: np.ndarray, temperature: float, rng: np.random.Generator) -> int:
-    if temperature <= 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
-    p = np.exp(z - z.max())
-    return int(rng.choice(len(p), p=p / p.sum()))
