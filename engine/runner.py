@@ -10,6 +10,7 @@ path as N > 1.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -106,11 +107,11 @@ class ModelRunner:
         layout = Layout.build(lengths, starts, capture)
         past = min(self.pool.max_context, -(-max(starts) // self.PAST_BUCKET) * self.PAST_BUCKET)
         tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, lengths)
-        offsets = [sum(lengths[:b]) for b in range(len(batch))]
-        picked = [o + i for o, r in zip(offsets, batch, strict=True) for i in r.wanted]
+        offsets = itertools.accumulate(lengths, initial=0)
+        picked = [o + i for o, r in zip(offsets, batch, strict=False) for i in r.wanted]
         slot_idx = mx.array(slots, dtype=mx.int32)
         inputs = [
-            mx.array([t for r in batch for t in r.tokens], dtype=mx.int32),
+            _token_array(batch),
             mx.array(picked, dtype=mx.int32),
             *layout.arrays(),
         ]
@@ -181,7 +182,7 @@ class ModelRunner:
                 )
         layout = Layout.build(lengths, starts)
         state = self.pool.read_mtp(slots, starts)
-        tokens = mx.array([t for r in batch for t in r.tokens], dtype=mx.int32)
+        tokens = _token_array(batch)
         hidden = mx.concatenate([r.hidden for r in batch], axis=0)
         logits, h, new = mtp(tokens, hidden, layout, state)
         logits = logits.astype(mx.float32)
@@ -208,6 +209,11 @@ class ModelRunner:
             if bad:
                 raise BatchError(f"slot {slot}: token ids {bad[:5]} outside the vocabulary of {V}")
         return list(slots)
+
+
+def _token_array(batch: Sequence[Row] | Sequence[DraftRow]) -> mx.array:
+    """The batch's tokens packed row after row (any integer type, numpy's included)."""
+    return mx.array([int(t) for r in batch for t in r.tokens], dtype=mx.int32)
 
 
 def _unflatten_captures(

@@ -167,3 +167,13 @@ def test_a_slot_twice_in_one_batch_is_refused(model: Model) -> None:
     a = runner.pool.allocate()
     with pytest.raises(BatchError):
         runner.step([Row(a, [1], 0), Row(a, [2], 1)])
+
+
+def test_numpy_integer_token_ids_run_like_python_ints(model: Model) -> None:
+    ids = np.array([3, 17, 99], dtype=np.int64)
+    runs = []
+    for tokens in (list(ids), [int(t) for t in ids]):
+        runner = new_runner(model)
+        slot = runner.pool.allocate()
+        runs.append(np.array(runner.step([Row(slot, tokens, 0)]).rows[0].logits))
+    assert np.array_equal(runs[0], runs[1])
