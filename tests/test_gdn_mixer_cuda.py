@@ -4,7 +4,8 @@ Capture rows always take the portable path, so running the same rows with and
 without capture compares the two paths end to end, through the real model.
 Last GPU run (2026-11-29): passes for 16-wide heads (qwen35 and qwen3next),
 fails the 1e-4 logits bound with 128-wide heads although the kernel alone
-matches the portable ops to ~1e-6 there (.probe-style check in the notes).
+matches the portable ops to ~1e-6 there (`test_kernel_matches_the_portable_ops`),
+which is why the fused path is opt-in (SLOTSERVE_FUSED_GDN=1).
 """
 
 from __future__ import annotations
