@@ -3,14 +3,17 @@
 Between the input projection and the output projection, the portable path
 (`engine.models.qwen35.GatedDeltaNet`) runs a dozen operations: causal conv,
 SiLU, the q/k L2 norms, the beta and decay gates, the recurrence, the gated
-RMSNorm. At small batch each costs a fixed launch overhead that dwarfs its
-work, so on MLX's CUDA backend they run here as one kernel: a block per (row,
-value head); its warps hold the head's state rows in registers, recompute the
-short conv for the channels they need from the conv state and the new inputs,
-and normalise the head's output through shared memory.
+RMSNorm, and the gathers between the packed and padded views of the batch. At
+small batch each costs a fixed launch overhead that dwarfs its work, so on
+MLX's CUDA backend they run here as one kernel that reads the packed output of
+the fused input projection as it is and writes the packed input of the output
+projection: a block per (row, value head); its warps hold the head's state rows
+in registers, recompute the short conv for the channels they need from the conv
+state and the new inputs, and normalise the head's output through shared
+memory. The blocks also write each row's new conv state (its last Kc-1 inputs).
 
 Numerics follow the portable path (f32 throughout, same formulas and order of
-the conv taps); tests compare the two on the GPU. Opt-in for now: see `enabled`.
+the conv taps); tests compare the two on the GPU.
 """
 
 from __future__ import annotations
@@ -26,17 +29,24 @@ _SOURCE = """
     constexpr int CQ = HK * DK;
     constexpr int CC = 2 * CQ + HV * DV;
     constexpr int ROWS = DV / NW;
+    constexpr int R = HV / HK;
     const int lane = threadIdx.x & 31;
     const int w = threadIdx.x >> 5;
     const int h = blockIdx.x % HV;
     const int b = blockIdx.x / HV;
-    const int T = p_shape[1];
-    const int kh = TILED ? (h % HK) : (h / (HV / HK));
+    const int T = pad_index_shape[1];
+    const int n_b = row_lengths[b];
+    const int kh = TILED ? (h % HK) : (h / R);
+    // Beta and alpha columns: separate [beta x HV | alpha x HV], or qwen3next's
+    // per key head [beta x R | alpha x R] (grouped head order within a key head).
+    const int col_b = BA_FUSED ? OFF_BA + (h / R) * 2 * R + (h % R) : OFF_BA + h;
+    const int col_a = BA_FUSED ? col_b + R : OFF_BA + HV + h;
     __shared__ float o_sh[DV];
 
-    auto win = [&](int ch, int pos) -> float {
-        return pos < KC - 1 ? conv_state[(long(b) * (KC - 1) + pos) * CC + ch]
-                            : static_cast<float>(p[(long(b) * T + pos - (KC - 1)) * CC + ch]);
+    auto win = [&](int ch, int pos) -> float {  // window = [conv state, the row's inputs]
+        return pos < KC - 1
+            ? conv_state[(long(b) * (KC - 1) + pos) * CC + ch]
+            : static_cast<float>(proj[long(pad_index[b * T + pos - (KC - 1)]) * W + ch]);
     };
     auto conv = [&](int ch, int t) -> float {
         float acc = 0.0f;
@@ -50,6 +60,14 @@ _SOURCE = """
         return x;
     };
 
+    // The new conv state: window[n_b : n_b + KC - 1], all channels, spread over the
+    // row's HV blocks.
+    for (int c = h * blockDim.x + threadIdx.x; c < CC; c += HV * blockDim.x) {
+        #pragma unroll
+        for (int j = 0; j < KC - 1; ++j)
+            conv_out[(long(b) * (KC - 1) + j) * CC + c] = win(c, n_b + j);
+    }
+
     float s[ROWS][NPER];
     #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
@@ -60,8 +78,8 @@ _SOURCE = """
             s[r][m] = j < DK ? src[j] : 0.0f;
         }
     }
-    for (int t = 0; t < T; ++t) {
-        const long bt = long(b) * T + t;
+    for (int t = 0; t < n_b; ++t) {
+        const long row = pad_index[b * T + t];
         float qv[NPER], kv[NPER];
         float qss = 0.0f, kss = 0.0f;
         #pragma unroll
@@ -74,12 +92,11 @@ _SOURCE = """
         }
         const float qn = rsqrtf(float(DK)) / fmaxf(sqrtf(warp_sum(qss)), EPS);
         const float kn = 1.0f / fmaxf(sqrtf(warp_sum(kss)), EPS);
-        const bool ok = valid[bt];
-        const float braw = static_cast<float>(b_raw[bt * HV + h]);
-        const float araw = static_cast<float>(a_raw[bt * HV + h]) + dt_bias[h];
+        const float braw = static_cast<float>(proj[row * W + col_b]);
+        const float araw = static_cast<float>(proj[row * W + col_a]) + dt_bias[h];
         const float softplus = fmaxf(araw, 0.0f) + log1pf(expf(-fabsf(araw)));
-        const float beta = ok ? 1.0f / (1.0f + expf(-braw)) : 0.0f;
-        const float decay = ok ? expf(ssm_a[h] * softplus) : 1.0f;
+        const float beta = 1.0f / (1.0f + expf(-braw));
+        const float decay = expf(ssm_a[h] * softplus);
         #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             const int i = w + NW * r;
@@ -108,8 +125,9 @@ _SOURCE = """
         for (int r = 0; r < ROWS; ++r) {
             const int i = w + NW * r;
             if (lane == 0) {
-                const float zz = static_cast<float>(z[(bt * HV + h) * DV + i]);
-                y[(bt * HV + h) * DV + i] = o_sh[i] * inv * norm_w[i] * zz / (1.0f + expf(-zz));
+                const float zz = static_cast<float>(proj[row * W + OFF_Z + h * DV + i]);
+                const float yi = o_sh[i] * inv * norm_w[i] * zz / (1.0f + expf(-zz));
+                y[row * (HV * DV) + h * DV + i] = static_cast<OUT_T>(yi);
             }
         }
         __syncthreads();
@@ -129,22 +147,14 @@ _kernels: dict[float, Any] = {}
 
 
 def enabled() -> bool:
-    """Opt-in (SLOTSERVE_FUSED_GDN=1) on MLX's CUDA backend.
-
-    The kernel matches the portable ops to ~1e-6 on random inputs of every shape
-    tried, including the real head sizes, but one end-to-end comparison through
-    a tiny model with 128-wide heads differed by more than 1e-4 and is not yet
-    explained; until it is, the portable path stays the default.
-    """
-    return available() and os.environ.get("SLOTSERVE_FUSED_GDN") == "1"
+    """On MLX's CUDA backend, unless SLOTSERVE_FUSED_GDN=0 asks for the portable ops."""
+    return available() and os.environ.get("SLOTSERVE_FUSED_GDN", "1") != "0"
 
 
 def gdn_mixer_cuda(
-    p: mx.array,
-    z: mx.array,
-    b_raw: mx.array,
-    a_raw: mx.array,
-    valid: mx.array,
+    proj: mx.array,
+    pad_index: mx.array,
+    row_lengths: mx.array,
     conv_state: mx.array,
     ssm: mx.array,
     conv_w: mx.array,
@@ -153,22 +163,27 @@ def gdn_mixer_cuda(
     norm_w: mx.array,
     *,
     n_key_heads: int,
+    value_dim: int,
     tiled: bool,
+    fused_ba: bool,
     eps: float,
-) -> tuple[mx.array, mx.array]:
-    """Padded inputs: p `[B, T, Cc]`, z `[B, T, Hv, dv]`, b_raw / a_raw `[B, T, Hv]`,
-    valid `[B, T]`; state conv `[B, Kc-1, Cc]`, ssm `[B, Hv, dv, dk]` (f32).
-    Returns (gated, normalised output y `[B, T, Hv, dv]` f32, final ssm state)."""
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The mixer core of a batch of rows, packed in and packed out.
+
+    `proj` `[N, W]`: the packed output of the input projection, columns
+    `[conv inputs Cc | z Hv*dv | beta, alpha]`; `pad_index` `[B, T]` and
+    `row_lengths` `[B]` from the batch `Layout`; state conv `[B, Kc-1, Cc]` and
+    ssm `[B, Hv, dv, dk]` (f32). Returns the gated, normalised output `[N, Hv*dv]`
+    in `proj`'s dtype, the final ssm state and the new conv state (f32).
+    """
     kernel: Any = _kernels.get(eps)
     if kernel is None:  # eps is a float: baked into the source (template args are ints)
         kernel = _kernels[eps] = mx.fast.cuda_kernel(
             name=f"slotserve_gdn_mixer_{len(_kernels)}",
             input_names=[
-                "p",
-                "z",
-                "b_raw",
-                "a_raw",
-                "valid",
+                "proj",
+                "pad_index",
+                "row_lengths",
                 "conv_state",
                 "state",
                 "conv_w",
@@ -176,21 +191,21 @@ def gdn_mixer_cuda(
                 "ssm_a",
                 "norm_w",
             ],
-            output_names=["y", "state_out"],
+            output_names=["y", "state_out", "conv_out"],
             source=f"    constexpr float EPS = {eps!r}f;\n" + _SOURCE,
         )
-    B, T, Hv, dv = z.shape
-    dk = ssm.shape[-1]
-    Kc = conv_w.shape[-1]
+    N, W = proj.shape
+    B, Hv, dv, dk = ssm.shape
+    if dv != value_dim:
+        raise ValueError(f"ssm state {ssm.shape} does not match value head size {value_dim}")
+    Cc, Kc = conv_w.shape
     nw = 8 if dv % 8 == 0 else 1
     f32 = mx.float32
-    y, state = kernel(
+    y, state, conv = kernel(
         inputs=[
-            p,
-            z,
-            b_raw,
-            a_raw,
-            valid,
+            proj,
+            pad_index,
+            row_lengths,
             conv_state.astype(f32),
             ssm.astype(f32),
             conv_w.astype(f32),
@@ -199,18 +214,23 @@ def gdn_mixer_cuda(
             norm_w.astype(f32),
         ],
         template=[
+            ("OUT_T", proj.dtype),
             ("HK", n_key_heads),
             ("HV", Hv),
             ("DK", dk),
             ("DV", dv),
             ("KC", Kc),
+            ("W", W),
+            ("OFF_Z", Cc),
+            ("OFF_BA", Cc + Hv * dv),
+            ("BA_FUSED", fused_ba),
             ("NW", nw),
             ("NPER", (dk + 31) // 32),
             ("TILED", tiled),
         ],
         grid=(B * Hv * nw * 32, 1, 1),
         threadgroup=(nw * 32, 1, 1),
-        output_shapes=[(B, T, Hv, dv), (B, Hv, dv, dk)],
-        output_dtypes=[f32, f32],
+        output_shapes=[(N, Hv * dv), (B, Hv, dv, dk), (B, Kc - 1, Cc)],
+        output_dtypes=[proj.dtype, f32, f32],
     )
-    return y, state
+    return y, state, conv

@@ -204,6 +204,12 @@ class Projection:
         bounds = [sum(self.sizes[: i + 1]) for i in range(len(self.sizes) - 1)]
         return list(mx.split(matmul(x, self.fused), bounds, axis=-1))
 
+    def joined(self, x: mx.array) -> mx.array:
+        """The outputs side by side in one `[N, sum(sizes)]` array."""
+        if self.fused is None:
+            return mx.concatenate([matmul(x, w) for w in self.parts], axis=-1)
+        return matmul(x, self.fused)
+
 
 def _concat_rows(ws: list[Weight]) -> Weight | None:
     if all(isinstance(w, mx.array) for w in ws):
@@ -381,6 +387,24 @@ class GatedDeltaNet:
         self, x: mx.array, layout: Layout, state: LinearState
     ) -> tuple[mx.array, LinearState, LinearCapture | None]:
         cfg = self.cfg
+        if gdn_mixer_cuda.enabled() and not any(layout.capture):
+            y, ssm, conv = gdn_mixer_cuda.gdn_mixer_cuda(
+                self.proj.joined(x),
+                layout.pad_index,
+                layout.row_lengths,
+                state.conv,
+                state.ssm,
+                self.conv_w,
+                self.dt_bias,
+                self.ssm_a,
+                self.norm,
+                n_key_heads=cfg.ssm_hk,
+                value_dim=cfg.ssm_dv,
+                tiled=cfg.v_heads_tiled,
+                fused_ba=self.fused_ba,
+                eps=cfg.rms_eps,
+            )
+            return matmul(y, self.w_out), LinearState(conv, ssm), None
         Hk, Hv, dk, dv, Kc = cfg.ssm_hk, cfg.ssm_hv, cfg.ssm_dk, cfg.ssm_dv, cfg.conv_kernel
         Cq = Hk * dk
         p_raw, z_raw, *ba = self.proj(x)
@@ -390,38 +414,17 @@ class GatedDeltaNet:
         B, T, _ = p.shape
         z = z.reshape(B, T, Hv, dv)
         window = mx.concatenate([state.conv, p.astype(mx.float32)], axis=1)  # [B, Kc-1+T, Cc]
-        capture = None
-        if gdn_mixer_cuda.enabled() and not any(layout.capture):
-            y, ssm = gdn_mixer_cuda.gdn_mixer_cuda(
-                p,
-                z,
-                layout.to_padded(b_raw),
-                layout.to_padded(a_raw),
-                layout.valid,
-                state.conv,
-                state.ssm,
-                self.conv_w,
-                self.dt_bias,
-                self.ssm_a,
-                self.norm,
-                n_key_heads=Hk,
-                tiled=cfg.v_heads_tiled,
-                eps=cfg.rms_eps,
-            )
-        else:
-            valid = layout.valid[..., None]
-            beta = mx.where(valid, mx.sigmoid(layout.to_padded(b_raw).astype(mx.float32)), 0.0)
-            g = self.ssm_a * nn.softplus(layout.to_padded(a_raw).astype(mx.float32) + self.dt_bias)
-            g = mx.where(valid, g, 0.0)  # padding: decay 1 and no update keep the state as is
-            c = nn.silu(sum(window[:, i : i + T] * self.conv_w[:, i] for i in range(Kc)))
-            q = l2_normalize(c[..., :Cq].reshape(B, T, Hk, dk), cfg.rms_eps)
-            k = l2_normalize(c[..., Cq : 2 * Cq].reshape(B, T, Hk, dk), cfg.rms_eps)
-            v = c[..., 2 * Cq :].reshape(B, T, Hv, dv)
-            q = q * (1.0 / math.sqrt(dk))
-            o, ssm, capture = recurrence(
-                q, k, v, g, beta, state.ssm, window, layout, cfg.v_heads_tiled
-            )
-            y = rms_norm(o, self.norm, cfg.rms_eps) * nn.silu(z.astype(mx.float32))
+        valid = layout.valid[..., None]
+        beta = mx.where(valid, mx.sigmoid(layout.to_padded(b_raw).astype(mx.float32)), 0.0)
+        g = self.ssm_a * nn.softplus(layout.to_padded(a_raw).astype(mx.float32) + self.dt_bias)
+        g = mx.where(valid, g, 0.0)  # padding: decay 1 and no update keep the state as is
+        c = nn.silu(sum(window[:, i : i + T] * self.conv_w[:, i] for i in range(Kc)))
+        q = l2_normalize(c[..., :Cq].reshape(B, T, Hk, dk), cfg.rms_eps)
+        k = l2_normalize(c[..., Cq : 2 * Cq].reshape(B, T, Hk, dk), cfg.rms_eps)
+        v = c[..., 2 * Cq :].reshape(B, T, Hv, dv)
+        q = q * (1.0 / math.sqrt(dk))
+        o, ssm, capture = recurrence(q, k, v, g, beta, state.ssm, window, layout, cfg.v_heads_tiled)
+        y = rms_norm(o, self.norm, cfg.rms_eps) * nn.silu(z.astype(mx.float32))
         out = matmul(layout.to_packed(y.astype(x.dtype).reshape(B, T, Hv * dv)), self.w_out)
         return out, LinearState(conv_tail(window, layout, Kc), ssm), capture
 
