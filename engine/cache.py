@@ -209,26 +209,55 @@ class SlotPool:
                     f"slot {slot}: a capture row of {n} tokens exceeds max_draft {self.max_draft} + 1"
                 )
 
-    def read(self, slot_idx: mx.array, past: int) -> list[mx.array]:
-        """Stacked state of the rows `slot_idx`: k, v (the first `past` entries), conv, ssm."""
-        # Slice before gathering: indexing first would copy every row's whole context.
+    MAX_RUNS = 2  # beyond this many runs of consecutive slots, rows are gathered
+
+    def read(self, slots: list[SlotId], past: int) -> list[mx.array]:
+        """Stacked state of the rows on `slots`: k, v (the first `past` entries), conv, ssm.
+
+        Rows on consecutive slots are read as slices: a copy at memory speed, where
+        MLX's general gather is several times slower on the large recurrent states.
+        """
+        runs = _runs(slots)
+        if len(runs) > self.MAX_RUNS:
+            idx = mx.array(slots, dtype=mx.int32)
+            # Slice before gathering: indexing first would copy every row's whole context.
+            return [
+                self.k[:, :, :past][:, idx],
+                self.v[:, :, :past][:, idx],
+                self.conv[:, idx],
+                self.ssm[:, idx],
+            ]
+
+        def rows(a: mx.array) -> mx.array:
+            parts = [a[:, lo:hi] for lo, hi in runs]
+            return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+
         return [
-            self.k[:, :, :past][:, slot_idx],
-            self.v[:, :, :past][:, slot_idx],
-            self.conv[:, slot_idx],
-            self.ssm[:, slot_idx],
+            rows(self.k[:, :, :past]),
+            rows(self.v[:, :, :past]),
+            rows(self.conv),
+            rows(self.ssm),
         ]
 
     def write(
-        self, slot_idx: mx.array, tok_slot: mx.array, tok_pos: mx.array, new: list[mx.array]
+        self, slots: list[SlotId], tok_slot: mx.array, tok_pos: mx.array, new: list[mx.array]
     ) -> None:
         """Store a step's new state (as `stack_states` returns it) in place: each row's conv
         and ssm, and K/V of every packed token at `(tok_slot, tok_pos)`."""
         k, v, conv, ssm = new
         self.k[:, tok_slot, tok_pos] = k.astype(self.kv_dtype)
         self.v[:, tok_slot, tok_pos] = v.astype(self.kv_dtype)
-        self.conv[:, slot_idx] = conv
-        self.ssm[:, slot_idx] = ssm
+        runs = _runs(slots)
+        if len(runs) > self.MAX_RUNS:
+            idx = mx.array(slots, dtype=mx.int32)
+            self.conv[:, idx] = conv
+            self.ssm[:, idx] = ssm
+            return
+        at = 0
+        for lo, hi in runs:
+            self.conv[:, lo:hi] = conv[:, at : at + hi - lo]
+            self.ssm[:, lo:hi] = ssm[:, at : at + hi - lo]
+            at += hi - lo
 
     @staticmethod
     def split_states(
@@ -394,3 +423,14 @@ class SlotPool:
             self.mtp_v[slot, : snap.mtp_length] = mx.array(snap.mtp_kv[1])
         self.lengths[slot], self.mtp_lengths[slot] = n, snap.mtp_length
         self._captures.pop(slot, None)
+
+
+def _runs(slots: list[SlotId]) -> list[tuple[int, int]]:
+    """`slots` as maximal runs of consecutive ids, in order: [3, 4, 0] -> [(3, 5), (0, 1)]."""
+    runs: list[tuple[int, int]] = []
+    for s in slots:
+        if runs and runs[-1][1] == s:
+            runs[-1] = (runs[-1][0], s + 1)
+        else:
+            runs.append((s, s + 1))
+    return runs

@@ -109,7 +109,6 @@ class ModelRunner:
         tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, lengths)
         offsets = itertools.accumulate(lengths, initial=0)
         picked = [o + i for o, r in zip(offsets, batch, strict=False) for i in r.wanted]
-        slot_idx = mx.array(slots, dtype=mx.int32)
         inputs = [
             _token_array(batch),
             mx.array(picked, dtype=mx.int32),
@@ -127,12 +126,12 @@ class ModelRunner:
         fn = self._forward_fn(key, layout)
         # The pool is read and written outside the compiled graph: eager scatters update
         # it in place, while a compiled graph would copy every state array each step.
-        logits, hidden, new, captures = fn(inputs, self.pool.read(slot_idx, past))
+        logits, hidden, new, captures = fn(inputs, self.pool.read(slots, past))
         self.last_host_s = time.perf_counter() - t0  # building inputs and the graph
         # Compute everything before touching the pool: a step that fails here (bad
         # input, device fault) leaves every slot exactly as it was.
         mx.eval(logits, hidden, new, captures)
-        self.pool.write(slot_idx, tok_slot, tok_pos, new)
+        self.pool.write(slots, tok_slot, tok_pos, new)
         mx.eval(self.pool.k, self.pool.v, self.pool.conv, self.pool.ssm)
         self.pool.commit(slots, starts, lengths, _unflatten_captures(self.model, layout, captures))
 

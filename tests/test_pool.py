@@ -177,3 +177,15 @@ def test_numpy_integer_token_ids_run_like_python_ints(model: Model) -> None:
         slot = runner.pool.allocate()
         runs.append(np.array(runner.step([Row(slot, tokens, 0)]).rows[0].logits))
     assert np.array_equal(runs[0], runs[1])
+
+
+def test_rows_on_consecutive_slots_are_read_as_runs_in_batch_order() -> None:
+    from engine.cache import _runs
+
+    assert _runs([SlotId(3), SlotId(4), SlotId(0), SlotId(1), SlotId(7)]) == [
+        (3, 5),
+        (0, 2),
+        (7, 8),
+    ]
+    assert _runs([SlotId(5)]) == [(5, 6)]
+    assert _runs([SlotId(2), SlotId(1)]) == [(2, 3), (1, 2)]
