@@ -49,7 +49,7 @@ def held_out_window(run: dict[str, Any], n: int = 96) -> list[int]:
 def training_forward(run: dict[str, Any]) -> tuple[Forward, dict[str, mx.array]]:
     info = json.loads((run["root"] / "run" / "run.json").read_text())
     fwd = Forward(Hyper.from_spec(info["recipe"]["spec"]))
-    return fwd, load_weights(run["root"] / "run" / "weights.npz")
+    return fwd, load_weights(run["root"] / "run")
 
 
 def test_smoke_training_lowers_the_loss(run: dict[str, Any]) -> None:

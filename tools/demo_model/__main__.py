@@ -47,12 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("pack", help="encode the corpus -> DATA/ids.npz (uint16)")
     p.add_argument("--data", type=Path, default=DATA)
 
-    t = sub.add_parser("train", help="train on DATA/ids.npz -> RUN/weights.npz, run.json")
+    t = sub.add_parser("train", help="train on DATA/ids.npz -> RUN/weights-*.npz, run.json")
     t.add_argument("--ids", type=Path, default=DATA / "ids.npz")
     t.add_argument("--run", type=Path, default=RUN)
     t.add_argument("--recipe", choices=sorted(RECIPES), default="full")
     t.add_argument("--time-limit", type=float, default=None, help="seconds, compile included")
     t.add_argument("--checkpoint-s", type=float, default=60.0)
+    t.add_argument("--eval-s", type=float, default=30.0, help="held-out check period; 0: none")
     t.add_argument("--save-dtype", choices=("float16", "float32"), default="float16")
     for flag, kind in (("--seq-len", int), ("--batch", int), ("--steps", int), ("--lr", float)):
         t.add_argument(flag, type=kind, default=None)
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     t.add_argument("--seed", type=int, default=None)
 
-    e = sub.add_parser("export", help="RUN/weights.npz -> GGUF with its tokenizer")
+    e = sub.add_parser("export", help="RUN/weights-*.npz -> GGUF with its tokenizer")
     e.add_argument("--run", type=Path, default=RUN)
     e.add_argument("--out", type=Path, default=None, help="default RUN/<name>.gguf")
     e.add_argument("--quant", default=None, help="override the recipe's (q8_0, f16, f32)")
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         from tools.demo_model.train import train
 
         train(recipe_from(args), args.ids, args.run, args.time_limit, args.checkpoint_s,
-              args.save_dtype)  # fmt: skip
+              args.eval_s, args.save_dtype)  # fmt: skip
     elif args.cmd == "export":
         from tools.demo_model.export import export
 

@@ -9,14 +9,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from engine.corpus import build_vocab
 from engine.writer import ModelSpec, write_model
 from tools.demo_model.config import RECIPES
 from tools.demo_model.data import pack, vocab_digest, write_corpus, write_vocab
 from tools.demo_model.model import to_gguf_weights
-from tools.demo_model.train import train
+from tools.demo_model.train import read_weights, train
 
 MAX_FILE_BYTES = 25_000_000
 
@@ -41,8 +39,7 @@ def export(run: Path, out: Path | None = None, quant: str | None = None) -> dict
             f"{run}: the vocabulary build_vocab({spec.vocab_size}) gives here is not the one "
             "the training ids were packed with (another Python stdlib or tokenizers version?)"
         )
-    with np.load(run / "weights.npz") as z:
-        weights = to_gguf_weights({k: z[k] for k in z.files})
+    weights = to_gguf_weights(read_weights(run))
     path = out or run / f"{spec.name}.{spec.quant}.gguf"
     write_model(path, spec, weights)
     size = path.stat().st_size
