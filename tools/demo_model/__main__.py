@@ -6,6 +6,16 @@
     smoke                          (all of it, tiny, on CPU)
 
 Heavier imports happen inside each step, so `train` never loads `gguf` or `tokenizers`.
+
+The shipped model, step by step (defaults write under out/demo/):
+
+    python -m tools.demo_model corpus && python -m tools.demo_model vocab
+    python -m tools.demo_model pack                      # out/demo/data/ids.npz, ~6 MB
+    # on the GPU machine, carrying out/demo/data/ids.npz:
+    python3 -m tools.demo_model train --run $OUT/run --time-limit 300 --steps 100000
+    # back here, with the run directory it wrote:
+    python -m tools.demo_model export --run RUN --out MODEL.gguf
+    python -m tools.demo_model report MODEL.gguf
 """
 
 from __future__ import annotations
@@ -33,7 +43,11 @@ def recipe_from(args: argparse.Namespace) -> Recipe:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tools.demo_model", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m tools.demo_model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     c = sub.add_parser("corpus", help="stdlib sources -> DATA/{train,heldout}.jsonl")

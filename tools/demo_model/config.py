@@ -73,7 +73,7 @@ class Recipe:
     seq_len: int = 512
     batch: int = 32
     steps: int = 3000
-    lr: float = 2e-3
+    lr: float = 1.5e-3
     min_lr_ratio: float = 0.1
     warmup: int = 100
     weight_decay: float = 0.1
