@@ -25,8 +25,8 @@ demo: $(VENV)/.runtime
 	$(BIN)/slotserve demo
 
 lint: $(VENV)/.dev
-	$(BIN)/ruff check engine scheduler transport tests bench
-	$(BIN)/ruff format --check engine scheduler transport tests bench
+	$(BIN)/ruff check engine scheduler transport tests bench tools
+	$(BIN)/ruff format --check engine scheduler transport tests bench tools
 
 typecheck: $(VENV)/.dev
 	$(BIN)/mypy

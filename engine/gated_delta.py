@@ -79,3 +79,89 @@ def gated_delta(
     q, k = expand_heads(q, Hv, tiled), expand_heads(k, Hv, tiled)
     out, final = mx.fast.gated_delta_update(q, k, v, mx.exp(g), beta, state)
     return out, final
+
+
+CHUNK = 64
+"""Tokens per chunk of the chunked form: the intra-chunk work is `CHUNK x CHUNK` matmuls."""
+
+
+def unit_lower_inverse(a: mx.array) -> mx.array:
+    """`(I + A)^-1` for strictly lower-triangular `a [..., C, C]`, C a power of two.
+
+    Recursive doubling: with W the inverse of every diagonal s-block of `I + A`, the inverse
+    of every 2s-block is `W - W E W`, E the parts of A in the lower-left s-block of each
+    2s-block (E W E = 0). Each level is two dense matmuls, so this differentiates and runs on
+    any device, and every intermediate is a true sub-inverse (no large cancelling powers of A
+    as in a Neumann product).
+    """
+    C = a.shape[-1]
+    if C & (C - 1):
+        raise ValueError(f"chunk size {C} is not a power of two")
+    i = mx.arange(C)[:, None]
+    j = mx.arange(C)[None, :]
+    w = mx.broadcast_to(mx.eye(C, dtype=a.dtype), a.shape)
+    s = 1
+    while s < C:
+        block = ((i // s) % 2 == 1) & ((j // s) % 2 == 0) & (i // (2 * s) == j // (2 * s))
+        w = w - w @ (a * block) @ w
+        s *= 2
+    return w
+
+
+def gated_delta_chunked(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    tiled: bool,
+    chunk: int = CHUNK,
+) -> tuple[mx.array, mx.array]:
+    """The recurrence in chunked (WY / UT-transform) form: (o `[B, T, Hv, dv]`, final state).
+
+    Same inputs and results as `gated_delta` without capture (MODEL_SPEC §16, "Chunked form"),
+    but built from matrix products over chunks of `chunk` tokens, so it is fast for long rows
+    and differentiable with plain MLX ops (training, prefill). Computes in float32. T need not
+    be a multiple of `chunk`: the tail is padded with g = 0, beta = 0, which leaves the state
+    unchanged.
+    """
+    B, T, Hv, dv = v.shape
+    f32 = mx.float32
+    q, k = expand_heads(q, Hv, tiled).astype(f32), expand_heads(k, Hv, tiled).astype(f32)
+    v, g, beta = v.astype(f32), g.astype(f32), beta.astype(f32)
+    C = chunk
+    pad = -T % C
+    if pad:
+        widths = [(0, 0), (0, pad), (0, 0)]
+        q, k, v = (mx.pad(x, [*widths, (0, 0)]) for x in (q, k, v))
+        g, beta = mx.pad(g, widths), mx.pad(beta, widths)
+    N = (T + pad) // C
+
+    def chunks(x: mx.array) -> mx.array:  # [B, T', Hv, ...] -> [B, Hv, N, C, ...]
+        x = x.reshape(B, N, C, Hv, *x.shape[3:])
+        return x.transpose(0, 3, 1, 2, *range(4, x.ndim))
+
+    q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
+    G = mx.cumsum(g, axis=-1)  # log-decay from the chunk start to each token
+    causal = mx.arange(C)[:, None] >= mx.arange(C)[None, :]
+    diff = G[..., :, None] - G[..., None, :]
+    decay = mx.exp(mx.where(causal, diff, -mx.inf))  # D_ij = exp(G_i - G_j), i >= j
+    kb = k * beta[..., None]
+    strict = causal & ~mx.eye(C, dtype=mx.bool_)
+    w = unit_lower_inverse(mx.where(strict, (kb @ k.swapaxes(-1, -2)) * decay, 0.0))
+    u = w @ (v * beta[..., None])  # [B, Hv, N, C, dv]
+    p = w @ (kb * mx.exp(G)[..., None])  # [B, Hv, N, C, dk]
+    qg = q * mx.exp(G)[..., None]
+    inner = (q @ k.swapaxes(-1, -2)) * decay  # lower triangle incl. diagonal (decay is 0 above)
+    G_last = G[..., -1:]
+    kd = k * mx.exp(G_last - G)[..., None]
+    chunk_decay = mx.exp(G_last)[..., None]  # [B, Hv, N, 1, 1]
+    S = state.astype(f32).swapaxes(-1, -2)  # [B, Hv, dk, dv]
+    outs = []
+    for n in range(N):
+        v_eff = u[:, :, n] - p[:, :, n] @ S
+        outs.append(qg[:, :, n] @ S + inner[:, :, n] @ v_eff)
+        S = chunk_decay[:, :, n] * S + kd[:, :, n].swapaxes(-1, -2) @ v_eff
+    o = mx.stack(outs, axis=2).reshape(B, Hv, N * C, dv)[:, :, :T].transpose(0, 2, 1, 3)
+    return o, S.swapaxes(-1, -2)

@@ -20,7 +20,7 @@ import argparse
 import dataclasses
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -289,8 +289,17 @@ def _ggml_type(spec: ModelSpec, t: _Tensor) -> GGMLQuantizationType:
     return GGMLQuantizationType.Q8_0 if row % 32 == 0 else GGMLQuantizationType.F16
 
 
-def _values(spec: ModelSpec, t: _Tensor) -> Iterator[np.ndarray]:
-    """The float32 weights of `t`, in chunks along axis 0 (one generator stream per tensor)."""
+def _values(
+    spec: ModelSpec, t: _Tensor, weights: Mapping[str, np.ndarray] | None = None
+) -> Iterator[np.ndarray]:
+    """The float32 weights of `t`, in chunks along axis 0 (one generator stream per tensor);
+    `weights[t.name]` instead when `weights` is given (a trained model)."""
+    if weights is not None:
+        w = np.asarray(weights[t.name], dtype=np.float32)
+        if w.shape != t.shape:
+            raise ValueError(f"{t.name}: weights have shape {w.shape}, the file needs {t.shape}")
+        yield w
+        return
     rng = np.random.default_rng([spec.seed, zlib.crc32(t.name.encode())])
     fan_in = t.shape[-1]
     if t.init == "ssm_a":  # −exp(A_log), A_log ~ U[log 1, log 16)
@@ -443,11 +452,20 @@ def _add_metadata(w: GGUFWriter, spec: ModelSpec, vocab: Vocab) -> None:
     w.add_chat_template(CHAT_TEMPLATE)
 
 
-def write_model(path: str | os.PathLike[str], spec: ModelSpec) -> None:
+def write_model(
+    path: str | os.PathLike[str],
+    spec: ModelSpec,
+    weights: Mapping[str, np.ndarray] | None = None,
+) -> None:
     """Write `spec` as a GGUF file at `path` (overwritten). Same spec ⇒ identical bytes.
 
-    Tensors are streamed one at a time, so memory stays near the largest encoded tensor.
+    `weights` (tensor name -> float array in numpy order, every tensor of the file) replaces
+    the random initialisation, for exporting a trained model. Tensors are streamed one at a
+    time, so memory stays near the largest encoded tensor.
     """
+    missing = sorted({t.name for t in _plan(spec)} - set(weights or ())) if weights else []
+    if missing:
+        raise KeyError(f"weights lack {len(missing)} tensors of the file: {', '.join(missing[:5])}")
     vocab = build_vocab(spec.vocab_size, spec.n_vocab)
     plan = [(t, _ggml_type(spec, t)) for t in _plan(spec)]
     writer = GGUFWriter(path, spec.arch)
@@ -461,7 +479,7 @@ def write_model(path: str | os.PathLike[str], spec: ModelSpec) -> None:
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for t, qtype in plan:
-            data = np.concatenate([_encode(chunk, qtype) for chunk in _values(spec, t)])
+            data = np.concatenate([_encode(chunk, qtype) for chunk in _values(spec, t, weights)])
             writer.write_tensor_data(data)
     finally:
         writer.close()
