@@ -32,11 +32,14 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "out" / "bench"
-# Debian's OpenBLAS (package libopenblas0-pthread); MLX's Linux wheel bundles reference BLAS.
-OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
 
 if str(ROOT) not in sys.path:  # `python bench/x.py` puts bench/, not the root, on the path
     sys.path.insert(0, str(ROOT))
+
+from transport import blas as blas_setting  # noqa: E402  (the daemon's `blas` setting)
+
+# Debian's OpenBLAS (package libopenblas0-pthread); MLX's Linux wheel bundles reference BLAS.
+OPENBLAS = blas_setting.DEBIAN_OPENBLAS
 
 
 def bench_model(preset_name: str, quant: str, **overrides: Any) -> Path:
@@ -77,14 +80,15 @@ DTYPES = ["float32", "bfloat16", "float16"]
 
 
 def blas_env(blas: str, n_threads: int) -> dict[str, str]:
-    """The environment that puts `blas` ("bundled" | "openblas") under MLX in a new process."""
-    if blas == "bundled":
+    """The environment that puts `blas` (the daemon's `blas` setting: "bundled", "openblas"
+    or a library path) under MLX in a new process, as `slotserve serve --blas` does."""
+    try:
+        path = blas_setting.library(blas)
+    except blas_setting.BlasError as e:
+        raise SystemExit(f"--blas {blas}: {e}") from None
+    if path is None:
         return {}
-    if blas != "openblas":
-        raise SystemExit(f"unknown BLAS {blas!r}; use bundled or openblas")
-    if not OPENBLAS.exists():
-        raise SystemExit(f"{OPENBLAS} missing: apt-get install -y libopenblas0-pthread")
-    return {"LD_PRELOAD": str(OPENBLAS), "OPENBLAS_NUM_THREADS": str(n_threads)}
+    return blas_setting.preload_env(path, {}, n_threads)
 
 
 def sides_for(
