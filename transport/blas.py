@@ -68,10 +68,11 @@ def is_mapped(path: Path) -> bool:
         )
 
 
-def ensure_preloaded(setting: str, argv: Sequence[str]) -> None:
+def ensure_preloaded(setting: str, command: Sequence[str]) -> None:
     """Make this process run on the BLAS `setting` names: for a library that is not yet
-    mapped, re-execute `python -m transport.cli *argv` with it preloaded (does not return);
-    after that re-execution, raise `BlasError` if it still is not mapped."""
+    mapped, re-execute `command` (this process's own, e.g. `python -m transport.cli serve ...`)
+    with it preloaded (does not return); after that, raise `BlasError` if it still is not
+    mapped."""
     path = library(setting)
     if path is None or is_mapped(path):
         return
@@ -80,4 +81,4 @@ def ensure_preloaded(setting: str, argv: Sequence[str]) -> None:
     env = preload_env(path, os.environ) | {_REEXEC_MARK: str(path)}
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "transport.cli", *argv], env)
+    os.execve(command[0], list(command), env)

@@ -146,7 +146,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         settings = config.load(file, os.environ, flags)
         if not args.check:  # before MLX is imported: a preload re-executes the process
-            blas.ensure_preloaded(settings.blas, args.argv)
+            command = [sys.executable, "-m", "transport.cli", *args.argv]
+            blas.ensure_preloaded(settings.blas, command)
     except (config.ConfigError, blas.BlasError) as e:
         print(f"slotserve serve: config error: {e}", file=sys.stderr)
         return 2
