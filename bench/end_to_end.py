@@ -36,7 +36,7 @@ import numpy as np
 from peers import Ours
 from scheduler_overhead import Bench, percentile
 
-from transport import blas, loadgen, loadreport
+from transport import loadgen, loadreport
 from transport.daemon.demo import Supervised
 
 
@@ -97,7 +97,7 @@ def daemon_rounds(path: Path, args: argparse.Namespace, tmp: Path) -> dict[str, 
 
 def main() -> None:
     args = parse_args()
-    blas.ensure_preloaded(args.blas, [sys.executable, *sys.orig_argv[1:]])
+    harness.run_on_blas(args.blas)
     path = args.model or harness.bench_model(args.preset, args.quant)
     vocab = harness.prompt_vocab(path)
     record: dict[str, Any] = {
@@ -142,8 +142,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--tokens", type=int, default=64, help="generated tokens per request")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of N requests")
-    default_blas = blas.OPENBLAS if blas.DEBIAN_OPENBLAS.is_file() else blas.BUNDLED
-    p.add_argument("--blas", default=default_blas, help="bundled | openblas | a CBLAS path")
+    p.add_argument("--blas", default=harness.default_blas(), help="bundled | openblas | a path")
     p.add_argument("--out", type=Path, help="JSON path")
     return p.parse_args()
 

@@ -91,6 +91,20 @@ def blas_env(blas: str, n_threads: int) -> dict[str, str]:
     return blas_setting.preload_env(path, {}, n_threads)
 
 
+def run_on_blas(blas: str) -> None:
+    """Re-execute this script (once) with `blas` preloaded, as `slotserve serve --blas` does
+    for the daemon: for scripts that run our engine in their own process."""
+    try:
+        blas_setting.ensure_preloaded(blas, [sys.executable, *sys.orig_argv[1:]])
+    except blas_setting.BlasError as e:
+        raise SystemExit(f"--blas {blas}: {e}") from None
+
+
+def default_blas() -> str:
+    """OpenBLAS where Debian's is installed, else MLX's bundled BLAS."""
+    return blas_setting.OPENBLAS if OPENBLAS.is_file() else blas_setting.BUNDLED
+
+
 def sides_for(
     blas: Sequence[str],
     compile: bool,

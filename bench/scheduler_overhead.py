@@ -9,6 +9,7 @@
    each; p50 / p95 over all requests, and the burst's aggregate tokens/s.
 
     python bench/scheduler_overhead.py [--preset demo | --model FILE.gguf] [--n 32] [--compile]
+                                       [--blas openblas]
 
 Prints a markdown table; writes JSON to out/bench/scheduler_overhead.json.
 """
@@ -172,8 +173,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--compile", action="store_true", help="mx.compile the step per shape")
+    p.add_argument("--blas", default="bundled", help="bundled | openblas | a CBLAS path")
     p.add_argument("--json", default=str(OUT_DIR / "scheduler_overhead.json"))
     args = p.parse_args()
+    harness.run_on_blas(args.blas)
 
     path = args.model or harness.bench_model(args.preset, args.quant)
     dtype = getattr(mx, args.dtype)
