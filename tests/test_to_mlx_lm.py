@@ -31,6 +31,17 @@ CASES = {
     "q8_0": {"quant": "q8_0"},
     # dv=32: ssm_out stays quantized, its input-column head blocks moved as packed words
     "q8_0 dv32": {"quant": "q8_0", "ssm_state_size": 32},
+    # the 0.8B preset's layout: f16 file, padded vocabulary, tied head, 1 in 4 attention,
+    # a quarter of each head rotated
+    "0.8b-like": {
+        "quant": "f16",
+        "n_vocab": 1024,
+        "tied_embeddings": True,
+        "full_attention_interval": 4,
+        "head_dim": 64,
+        "rope_dim": 16,
+        "ssm_group_count": 4,
+    },
 }
 
 
