@@ -29,9 +29,9 @@ import numpy as np
 from peers import Contender
 
 
-def sample(c: Contender, n: int, prompt: int, steps: int, seed: int) -> dict[str, Any]:
+def sample(c: Contender, n: int, prompt: int, steps: int, seed: int, vocab: int) -> dict[str, Any]:
     """N sequences, one untimed batched prefill, `steps` timed batched decode steps."""
-    prompts = [harness.prompt_tokens(prompt, seed + i) for i in range(n)]
+    prompts = [harness.prompt_tokens(prompt, seed + i, vocab) for i in range(n)]
     c.start(n, prompt + steps)
     toks = [int(t) for t in np.argmax(c.prefill(prompts), axis=-1)]
     out: list[list[int]] = [[] for _ in range(n)]
@@ -39,16 +39,22 @@ def sample(c: Contender, n: int, prompt: int, steps: int, seed: int) -> dict[str
         for _ in range(steps):
             for row, t in zip(out, toks, strict=True):
                 row.append(t)
-            toks = [int(t) for t in np.argmax(c.decode(toks), axis=-1)]
+            toks = c.greedy(toks)
     return {"decode_s": m.wall, "cores": m.cores, "others": m.others, "tokens": out}
 
 
-def main() -> None:
-    args = parse_args()
-    sides = harness.sides_for(args.blas, args.compile, args.threads, args.kv_dtype)
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    sides = harness.sides_for(
+        args.blas, args.compile, args.threads, args.kv_dtype, args.peers, args.dtype
+    )
     names = [s.name for s in sides]
-    ours = [s.name for s in sides if s.kind == "ours"]
-    path = harness.bench_model(args.preset, args.quant)
+    pairs = harness.ratios(sides)
+    # the MLX sides compute in the same dtype on the same weights: they should agree exactly
+    same_weights = [s.name for s in sides if s.kind != "llama"]
+    path = args.model or harness.bench_model(args.preset, args.quant)
+    model_name = path.name if args.model else f"{args.preset} {args.quant}"
+    vocab = harness.prompt_vocab(path)
     samples: dict[tuple[int, str], list[dict[str, Any]]] = {
         (n, s): [] for n in args.ns for s in names
     }
@@ -57,6 +63,7 @@ def main() -> None:
             for n in args.ns:
                 for w in ws:
                     kw = {"n": n, "prompt": args.prompt, "steps": args.steps, "seed": args.seed}
+                    kw["vocab"] = vocab
                     res = harness.measure(w, sample, args.quiet, args.retries, **kw)
                     if i >= args.warmup:
                         samples[n, w.side.name].append(res)
@@ -73,8 +80,7 @@ def main() -> None:
     rows: list[list[object]] = []
     summary = []
     for n in args.ns:
-        peer = med[n, "llama.cpp"]
-        rows.append([n, *[med[n, s] for s in names], *[med[n, k] / peer for k in ours]])
+        rows.append([n, *[med[n, s] for s in names], *[med[n, a] / med[n, b] for a, b in pairs]])
         summary.append(
             {
                 "n": n,
@@ -86,29 +92,29 @@ def main() -> None:
                 "cores_busy_median": {
                     s: harness.median([x["cores"] for x in samples[n, s]]) for s in names
                 },
-                "ratio_vs_llama_cpp": {k: med[n, k] / peer for k in ours},
+                "ratios": {f"{a} / {b}": med[n, a] / med[n, b] for a, b in pairs},
             }
         )
     scaling = {}
     if 1 in args.ns and 8 in args.ns:
         scaling = {s: med[8, s] / med[1, s] for s in names}
-        rows.append(["N=8 / N=1", *[scaling[s] for s in names], *[""] * len(ours)])
+        rows.append(["N=8 / N=1", *[scaling[s] for s in names], *[""] * len(pairs)])
 
     checks = batch_checks(samples, args.ns, names)
     record: dict[str, Any] = {
         "benchmark": "batched_decode",
-        "command": "bench/batched_decode.py " + " ".join(sys.argv[1:]),
+        "command": "bench/batched_decode.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": harness.machine(),
-        "model": f"{args.preset} {args.quant}",
+        "model": model_name,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "summary": summary,
         "scaling_n8_over_n1": scaling,
         "checks": checks,
         "samples": [{"n": n, "side": s} | x for (n, s), v in samples.items() for x in v],
     }
-    header = ["N", *[f"{s} tok/s" for s in names], *[f"{k} / llama.cpp" for k in ours]]
+    header = ["N", *[f"{s} tok/s" for s in names], *[f"{a} / {b}" for a, b in pairs]]
     print(
-        f"\n{args.preset} {args.quant}, {args.prompt}-token prompts, {args.steps} decode steps; "
+        f"\n{model_name}, {args.prompt}-token prompts, {args.steps} decode steps; "
         f"tok/s: {args.stat} of {args.reps} samples\n"
     )
     print(harness.markdown_table(header, rows))
@@ -119,12 +125,13 @@ def main() -> None:
             [["row 0 same tokens at every N"] + [c["row0_same_at_every_n"] for c in checks]],
         )
     )
-    if len(ours) > 1:
-        print(
-            f"\n{ours[1]} tokens == {ours[0]} tokens at every N and row: {all_same(samples, args.ns, ours)}"
-        )
+    for other in same_weights[1:]:
+        same = all_same(samples, args.ns, [same_weights[0], other])
+        record["checks"].append({"side": other, f"same_tokens_as_{same_weights[0]}": same})
+        print(f"\n{other} tokens == {same_weights[0]} tokens at every N and row: {same}")
     print(harness.noise_line(record["samples"]))
     print(f"\n{harness.write_json('batched_decode', record, args.out)}")
+    return record
 
 
 def batch_checks(
@@ -155,12 +162,13 @@ def all_same(
     )
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
         "--preset", default="bench-50m", help="engine.writer preset (default %(default)s)"
     )
     p.add_argument("--quant", default="f16", help="f16 | q8_0 | ... (default %(default)s)")
+    p.add_argument("--model", type=Path, help="a GGUF file to use instead of --preset/--quant")
     p.add_argument("--ns", default=[1, 2, 4, 8, 16], type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps")
@@ -172,7 +180,7 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="N = 1,2,4,8, 4-token prompts, 8 steps, 1 rep (< 1 min)",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.quick:
         args.retries = 0
         args.ns, args.prompt, args.steps, args.reps = [1, 2, 4, 8], 4, 8, 1

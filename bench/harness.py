@@ -32,11 +32,14 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = ROOT / "out" / "bench"
-# Debian's OpenBLAS (package libopenblas0-pthread); MLX's Linux wheel bundles reference BLAS.
-OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
 
 if str(ROOT) not in sys.path:  # `python bench/x.py` puts bench/, not the root, on the path
     sys.path.insert(0, str(ROOT))
+
+from transport import blas as blas_setting  # noqa: E402  (the daemon's `blas` setting)
+
+# Debian's OpenBLAS (package libopenblas0-pthread); MLX's Linux wheel bundles reference BLAS.
+OPENBLAS = blas_setting.DEBIAN_OPENBLAS
 
 
 def bench_model(preset_name: str, quant: str, **overrides: Any) -> Path:
@@ -61,33 +64,86 @@ def bench_model(preset_name: str, quant: str, **overrides: Any) -> Path:
 
 @dataclass(frozen=True)
 class Side:
-    """One contender of a run: `kind` is "ours" or "llama"; `env` is set in its process."""
+    """One contender of a run: `kind` is "ours", "llama" or "mlx-lm"; `env` is set in its
+    process; `blas` names the BLAS under MLX ("bundled" or "openblas"; "" for llama.cpp)."""
 
     name: str
     kind: str
     options: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     cores: int = 1  # how many cores it can keep busy: the rest are free for other processes
+    blas: str = ""
 
 
-def sides_for(blas: Sequence[str], compile: bool, n_threads: int, kv_dtype: str) -> list[Side]:
-    """Our engine once per BLAS in `blas` ("bundled" | "openblas"), then llama.cpp."""
+PEERS = ("llama", "mlx-lm")
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+def blas_env(blas: str, n_threads: int) -> dict[str, str]:
+    """The environment that puts `blas` (the daemon's `blas` setting: "bundled", "openblas"
+    or a library path) under MLX in a new process, as `slotserve serve --blas` does."""
+    try:
+        path = blas_setting.library(blas)
+    except blas_setting.BlasError as e:
+        raise SystemExit(f"--blas {blas}: {e}") from None
+    if path is None:
+        return {}
+    return blas_setting.preload_env(path, {}, n_threads)
+
+
+def run_on_blas(blas: str) -> None:
+    """Re-execute this script (once) with `blas` preloaded, as `slotserve serve --blas` does
+    for the daemon: for scripts that run our engine in their own process."""
+    try:
+        blas_setting.ensure_preloaded(blas, [sys.executable, *sys.orig_argv[1:]])
+    except blas_setting.BlasError as e:
+        raise SystemExit(f"--blas {blas}: {e}") from None
+
+
+def default_blas() -> str:
+    """OpenBLAS where Debian's is installed, else MLX's bundled BLAS."""
+    return blas_setting.OPENBLAS if OPENBLAS.is_file() else blas_setting.BUNDLED
+
+
+def sides_for(
+    blas: Sequence[str],
+    compile: bool,
+    n_threads: int,
+    kv_dtype: str,
+    peers: Sequence[str] = ("llama",),
+    dtype: str = "float32",
+) -> list[Side]:
+    """Our engine once per BLAS in `blas` ("bundled" | "openblas"), then mlx-lm once per BLAS
+    (if in `peers`), then llama.cpp (if in `peers`)."""
     sides = []
-    for b in blas:
-        name = "ours" if b == "bundled" else f"ours+{b}"
-        env = {}
-        if b == "openblas":
-            if not OPENBLAS.exists():
-                raise SystemExit(f"{OPENBLAS} missing: apt-get install -y libopenblas0-pthread")
-            env = {"LD_PRELOAD": str(OPENBLAS), "OPENBLAS_NUM_THREADS": str(n_threads)}
-        elif b != "bundled":
-            raise SystemExit(f"unknown BLAS {b!r}; use bundled or openblas")
-        opts = {"kv_dtype": kv_dtype, "compile": compile}
-        # MLX's CPU backend runs its ops on one thread; only OpenBLAS brings threads of its own.
-        sides.append(Side(name, "ours", opts, env, cores=n_threads if env else 1))
-    llama_opts = {"n_threads": n_threads, "kv_dtype": kv_dtype}
-    sides.append(Side("llama.cpp", "llama", llama_opts, cores=n_threads))
+    kinds = ["ours"] + (["mlx-lm"] if "mlx-lm" in peers else [])
+    for kind in kinds:
+        for b in blas:
+            env = blas_env(b, n_threads)
+            name = kind if b == "bundled" else f"{kind}+{b}"
+            opts = {"kv_dtype": kv_dtype, "compile": compile, "dtype": dtype}
+            # MLX's CPU backend runs its ops on one thread; only OpenBLAS brings threads of its own.
+            sides.append(Side(name, kind, opts, env, cores=n_threads if env else 1, blas=b))
+    if "llama" in peers:
+        llama_opts = {"n_threads": n_threads, "kv_dtype": kv_dtype}
+        sides.append(Side("llama.cpp", "llama", llama_opts, cores=n_threads))
+    unknown = set(peers) - set(PEERS)
+    if unknown:
+        raise SystemExit(f"unknown peers {sorted(unknown)}; known: {', '.join(PEERS)}")
     return sides
+
+
+def ratios(sides: Sequence[Side]) -> list[tuple[str, str]]:
+    """(ours side, peer side) pairs each table reports as a ratio: every ours side against
+    llama.cpp, and against mlx-lm under the same BLAS."""
+    out = []
+    for s in sides:
+        if s.kind != "ours":
+            continue
+        for p in sides:
+            if p.kind == "llama" or (p.kind == "mlx-lm" and p.blas == s.blas):
+                out.append((s.name, p.name))
+    return out
 
 
 class Worker:
@@ -160,7 +216,7 @@ def _serve(conn: Connection, side: Side, model: str) -> None:
     import peers
 
     try:
-        cls = peers.Ours if side.kind == "ours" else peers.LlamaCpp
+        cls = {"ours": peers.Ours, "llama": peers.LlamaCpp, "mlx-lm": peers.MlxLm}[side.kind]
         contender = cls(model, name=side.name, **side.options)
         conn.send(("ok", None))
     except Exception:
@@ -218,9 +274,17 @@ def add_contender_args(p: argparse.ArgumentParser) -> None:
         default=["bundled", "openblas"] if OPENBLAS.exists() else ["bundled"],
         help="our engine once per BLAS: bundled, openblas (default: both if OpenBLAS is installed)",
     )
+    p.add_argument(
+        "--peers",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=["llama", "mlx-lm"] if _version("mlx_lm") else ["llama"],
+        help="peers beside our engine: llama, mlx-lm (default: both if mlx-lm is installed; "
+        "pip install -e '.[bench]')",
+    )
     p.add_argument("--compile", action="store_true", help="ours: ModelRunner(compile=True)")
     p.add_argument("--threads", type=int, default=2, help="llama.cpp and OpenBLAS threads")
-    p.add_argument("--kv-dtype", default="float32", choices=["float32", "float16"])
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="compute dtype of MLX sides")
+    p.add_argument("--kv-dtype", default="float32", choices=DTYPES)
     p.add_argument("--stat", default="best", choices=sorted(STATS), help="per contender")
     add_noise_args(p)
     p.add_argument("--seed", type=int, default=0)
@@ -271,8 +335,17 @@ def prompt_tokens(n: int, seed: int, n_vocab: int = 32768) -> list[int]:
     """`n` reproducible token ids clear of the byte tokens and the specials at the top."""
     import numpy as np
 
+    margin = min(300, n_vocab // 4)
     rng = np.random.default_rng(seed)
-    return [int(t) for t in rng.integers(300, n_vocab - 300, size=n)]
+    return [int(t) for t in rng.integers(margin, n_vocab - margin, size=n)]
+
+
+def prompt_vocab(path: Path) -> int:
+    """Token ids prompts draw from: the model's real tokens (the writer's large presets pad the
+    vocabulary with unused rows past 32768)."""
+    from engine.gguf import GGUFFile
+
+    return min(GGUFFile(path).config.n_vocab, 32768)
 
 
 def median(xs: Sequence[float]) -> float:
@@ -319,6 +392,7 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "mlx": _version("mlx"),
         "llama_cpp_python": _version("llama_cpp_python"),
+        "mlx_lm": _version("mlx_lm"),
         "numpy": _version("numpy"),
         "openblas": _dpkg_version("libopenblas0-pthread"),
         "commit": _git("rev-parse", "--short", "HEAD"),

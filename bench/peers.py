@@ -1,8 +1,9 @@
-"""The two contenders of every benchmark, behind one small interface.
+"""The contenders of every benchmark, behind one small interface.
 
 `Ours` drives slotserve's `ModelRunner`; `LlamaCpp` drives llama.cpp through
-llama-cpp-python's C API. Both hold `n_seq` sequences and run ONE forward per
-call for all of them:
+llama-cpp-python's C API; `MlxLm` drives mlx-lm's model with the batch caches its
+`BatchGenerator` uses, on the same weights converted by bench/to_mlx_lm.py. Each
+holds `n_seq` sequences and runs ONE forward per call for all of them:
 
 * `start(n_seq, n_ctx)` — fresh, empty state for `n_seq` sequences of up to
   `n_ctx` tokens each (untimed setup);
@@ -10,9 +11,10 @@ call for all of them:
   `prompts[i]` from position 0); returns the logits at each prompt's last
   position, `[n_seq, vocab]` float32;
 * `decode(tokens)` — one forward with one token per sequence; returns the
-  next-token logits `[n_seq, vocab]`.
-
-Greedy sampling (argmax on the host) is the caller's, the same for both.
+  next-token logits `[n_seq, vocab]`;
+* `greedy(tokens)` — `decode` and the argmax of each row, on the device where
+  there is one (a GPU step would otherwise be timed copying `[n_seq, vocab]`
+  logits to the host).
 Heavy imports (MLX, llama.cpp) happen inside the constructors, so each
 contender only loads its own library in its worker process.
 """
@@ -35,6 +37,8 @@ class Contender(Protocol):
     def prefill(self, prompts: Sequence[Sequence[int]]) -> np.ndarray: ...
 
     def decode(self, tokens: Sequence[int]) -> np.ndarray: ...
+
+    def greedy(self, tokens: Sequence[int]) -> list[int]: ...
 
 
 class Ours:
@@ -78,12 +82,19 @@ class Ours:
         self.lengths = [0] * n_seq
 
     def prefill(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
-        return self._step([list(p) for p in prompts])
+        return np.stack([np.array(x) for x in self._step([list(p) for p in prompts])])
 
     def decode(self, tokens: Sequence[int]) -> np.ndarray:
-        return self._step([[t] for t in tokens])
+        return np.stack([np.array(x) for x in self._step([[t] for t in tokens])])
 
-    def _step(self, rows: list[list[int]]) -> np.ndarray:
+    def greedy(self, tokens: Sequence[int]) -> list[int]:
+        import mlx.core as mx
+
+        logits = self._step([[t] for t in tokens])
+        return [int(t) for t in mx.argmax(mx.stack(logits), axis=-1).tolist()]
+
+    def _step(self, rows: list[list[int]]) -> list[Any]:
+        """One runner step; each row's last-position logits (`mx.array [vocab]`)."""
         from engine.runner import Row
 
         batch = [
@@ -92,10 +103,10 @@ class Ours:
         ]
         out = self.runner.step(batch)
         self.lengths = [n + len(toks) for n, toks in zip(self.lengths, rows, strict=True)]
-        return np.stack([np.array(r.logits[-1]) for r in out.rows])
+        return [r.logits[-1] for r in out.rows]
 
 
-GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
+GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16 = 0, 1, 30
 _SILENT_LOG: Any = None  # kept alive: llama.cpp holds a pointer to it
 
 
@@ -124,7 +135,11 @@ class LlamaCpp:
         self.capi = capi
         self.name = name
         self.n_threads = n_threads
-        self.kv_type = {"float32": GGML_TYPE_F32, "float16": GGML_TYPE_F16}[kv_dtype]
+        self.kv_type = {
+            "float32": GGML_TYPE_F32,
+            "float16": GGML_TYPE_F16,
+            "bfloat16": GGML_TYPE_BF16,
+        }[kv_dtype]
         self.kv_unified = kv_unified
         global _SILENT_LOG
         if _SILENT_LOG is None:  # llama.cpp's loader warnings would drown the table
@@ -169,6 +184,9 @@ class LlamaCpp:
     def decode(self, tokens: Sequence[int]) -> np.ndarray:
         return self._decode([[t] for t in tokens])
 
+    def greedy(self, tokens: Sequence[int]) -> list[int]:
+        return [int(t) for t in np.argmax(self.decode(tokens), axis=-1)]
+
     def _decode(self, rows: list[list[int]]) -> np.ndarray:
         capi, batch = self.capi, self.batch
         i, last = 0, []
@@ -192,3 +210,72 @@ class LlamaCpp:
             ptr = capi.llama_get_logits_ith(self.ctx, at)
             out[seq] = np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
         return out
+
+
+class MlxLm:
+    """mlx-lm (0.32.2) on the same weights: the GGUF converted by bench/to_mlx_lm.py (once,
+    into a directory beside it), loaded with `mlx_lm.utils.load_model`.
+
+    Driven the way its `BatchGenerator` drives a batch: one `make_prompt_cache(model)` per
+    sequence merged into batch caches (`_merge_caches`), the prompt minus its last token in one
+    model call of which only the caches are evaluated (so no LM head over the prompt), then
+    one model call per step with one token per row, on mlx-lm's generation stream. Greedy
+    argmax on the device, as its `greedy_sampler`. Prompts of one call must be equally long
+    (the benchmarks' are; mlx-lm would right-pad and mask otherwise).
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        name: str = "mlx-lm",
+        dtype: str = "float32",
+        kv_dtype: str = "float32",
+        compile: bool = False,
+    ) -> None:
+        import mlx.core as mx
+        from mlx_lm.generate import generation_stream
+        from mlx_lm.utils import load_model
+        from to_mlx_lm import convert
+
+        del kv_dtype, compile  # mlx-lm keeps its KV cache in the compute dtype, uncompiled
+        self.name = name
+        self.mx = mx
+        self.stream = generation_stream
+        src = Path(path)
+        converted = src.with_name(f"{src.stem}.mlx-lm-{dtype}")
+        if not (converted / "config.json").exists():
+            tmp = converted.with_name(converted.name + ".tmp")
+            convert(src, tmp, getattr(mx, dtype))
+            tmp.replace(converted)
+        self.model, _ = load_model(converted)
+        self.cache: list[Any] = []
+
+    def start(self, n_seq: int, n_ctx: int) -> None:
+        from mlx_lm.generate import _merge_caches
+        from mlx_lm.models.cache import make_prompt_cache
+
+        del n_ctx  # mlx-lm's caches grow as needed
+        self.cache = _merge_caches([make_prompt_cache(self.model) for _ in range(n_seq)])
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> np.ndarray:
+        mx = self.mx
+        if len({len(p) for p in prompts}) != 1:
+            raise ValueError("MlxLm.prefill takes prompts of one length")
+        with mx.stream(self.stream):
+            if len(prompts[0]) > 1:
+                self.model(mx.array([list(p[:-1]) for p in prompts]), cache=self.cache)
+                mx.eval([c.state for c in self.cache])
+            logits = self._logits([p[-1] for p in prompts])
+        return np.array(logits.astype(mx.float32))
+
+    def decode(self, tokens: Sequence[int]) -> np.ndarray:
+        with self.mx.stream(self.stream):
+            return np.array(self._logits(tokens).astype(self.mx.float32))
+
+    def greedy(self, tokens: Sequence[int]) -> list[int]:
+        mx = self.mx
+        with mx.stream(self.stream):
+            return [int(t) for t in mx.argmax(self._logits(tokens), axis=-1).tolist()]
+
+    def _logits(self, tokens: Sequence[int]) -> Any:
+        return self.model(self.mx.array(list(tokens))[:, None], cache=self.cache)[:, -1, :]

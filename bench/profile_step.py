@@ -37,7 +37,7 @@ from typing import Any
 
 import harness
 import numpy as np
-from peers import Ours
+from peers import MlxLm, Ours
 
 
 class _Decoder:
@@ -115,6 +115,46 @@ def _profile(c: Ours, n: int, prompt: int, steps: int, seed: int) -> dict[str, A
             res[f"{part}_calls"] = calls[part] // steps
         res["other_ms"] = 1e3 * (total - sum(parts.values())) / steps
     return res
+
+
+def profile_mlx_lm(c: MlxLm, n: int, prompt: int, steps: int, seed: int) -> dict[str, Any]:
+    """mlx-lm's decode step on the same model: step time and the primitives of its graph
+    (the logits and every cache array it writes), as `profile` counts ours."""
+    import mlx.core as mx
+
+    with harness.Meter() as m:
+        c.start(n, prompt + steps + 8)
+        toks = [int(t) for t in np.argmax(c.prefill([harness.prompt_tokens(prompt, seed + i) for i in range(n)]), -1)]  # fmt: skip
+        toks = c.greedy(c.greedy(toks))
+        wall = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            toks = c.greedy(toks)
+            wall.append(time.perf_counter() - t0)
+        with mx.stream(c.stream):
+            logits = c._logits(toks)
+        state = [a for cache in c.cache for a in _arrays(cache.state)]
+        dot = io.StringIO()
+        mx.export_to_dot(dot, logits, *state)
+        kinds = collections.Counter(
+            re.findall(r'label ="([^"]+)", shape=rectangle', dot.getvalue())
+        )
+        mx.eval(logits, *state)
+    return {
+        "n": n,
+        "eager_ms": 1e3 * statistics.median(wall),
+        "ops": sum(kinds.values()),
+        "ops_by_kind": dict(kinds.most_common()),
+        "others": m.others,
+    }
+
+
+def _arrays(x: Any) -> list[Any]:
+    import mlx.core as mx
+
+    if isinstance(x, mx.array):
+        return [x]
+    return [a for v in x or () for a in _arrays(v)] if isinstance(x, list | tuple) else []
 
 
 @contextmanager
@@ -239,22 +279,27 @@ def main() -> None:
         "pool_scaling": [],
         "matmul": [],
     }
-    sides = [
-        s for s in harness.sides_for(args.blas, False, args.threads, "float32") if s.kind == "ours"
-    ]
+    peers = ("mlx-lm",) if args.mlx_lm else ()
+    sides = harness.sides_for(args.blas, False, args.threads, "float32", peers)
     for quant in args.quants:
         path = harness.bench_model(args.preset, quant)
         with harness.workers(sides, path) as ws:
             for w in ws:
                 for n in args.ns:
                     kw = {"n": n, "prompt": args.prompt, "steps": args.steps, "seed": args.seed}
-                    r = harness.measure(w, profile, args.quiet, args.retries, **kw)
+                    fn = profile if w.side.kind == "ours" else profile_mlx_lm
+                    r = harness.measure(w, fn, args.quiet, args.retries, **kw)
                     r |= {"model": f"{args.preset} {quant}", "side": w.side.name}
                     record["profiles"].append(r)
                     print(
                         f"  {r['model']} {r['side']} N={n}: eager {r['eager_ms']:.1f} ms",
                         flush=True,
                     )
+                    if w.side.kind != "ours":
+                        blank = ["-"] * 4
+                        row = [r["model"], r["side"], n, r["eager_ms"], "-", "-", "-", r["ops"]]
+                        prof_rows.append([*row, "-", *blank, r["others"]])
+                        continue
                     prof_rows.append(
                         [
                             r["model"],
@@ -273,7 +318,7 @@ def main() -> None:
                             r["others"],
                         ]
                     )
-                if quant == args.quants[0]:
+                if quant == args.quants[0] and w.side.kind == "ours":
                     ms = w.call(
                         pool_scaling,
                         n=args.pool_n,
@@ -324,6 +369,11 @@ def main() -> None:
         "\nops of one eager decode step, by kind (first row above): "
         + ", ".join(f"{k} {v}" for k, v in kinds.most_common(12))
     )
+    for r in record["profiles"]:
+        if r["side"].startswith("mlx-lm") and r is not record["profiles"][0]:
+            top = collections.Counter(r["ops_by_kind"]).most_common(12)
+            print(f"{r['side']} N={r['n']}: " + ", ".join(f"{k} {v}" for k, v in top))
+            break
     print(f"\ndecode step ms of {args.pool_n} short sequences vs the pool's max_context per slot\n")
     print(
         harness.markdown_table(
@@ -360,6 +410,7 @@ def parse_args() -> argparse.Namespace:
         help="bundled, openblas (default: both if OpenBLAS is installed)",
     )
     p.add_argument("--threads", type=int, default=2, help="OpenBLAS threads")
+    p.add_argument("--mlx-lm", action="store_true", help="also mlx-lm's step: time and ops")
     harness.add_noise_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="JSON path")

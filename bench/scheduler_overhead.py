@@ -8,7 +8,8 @@
 2. TTFT: a lone request vs 8 arriving in the same event-loop tick, `--rounds` times
    each; p50 / p95 over all requests, and the burst's aggregate tokens/s.
 
-    python bench/scheduler_overhead.py [--preset demo] [--n 32] [--compile]
+    python bench/scheduler_overhead.py [--preset demo | --model FILE.gguf] [--n 32] [--compile]
+                                       [--blas openblas]
 
 Prints a markdown table; writes JSON to out/bench/scheduler_overhead.json.
 """
@@ -18,8 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import platform
 import random
 import statistics
 import time
@@ -130,11 +129,11 @@ class Bench:
                 crowd += [_ttft(r.finished.timings.ttft_s) for r in results]
                 rates.append(sum(len(r.token_ids) for r in results) / wall)
         return {
-            "lone_p50_ms": _pct(lone, 50) * 1e3,
-            "lone_p95_ms": _pct(lone, 95) * 1e3,
-            "burst_p50_ms": _pct(crowd, 50) * 1e3,
-            "burst_p95_ms": _pct(crowd, 95) * 1e3,
-            "burst_p95_over_lone_p50": _pct(crowd, 95) / _pct(lone, 50),
+            "lone_p50_ms": percentile(lone, 50) * 1e3,
+            "lone_p95_ms": percentile(lone, 95) * 1e3,
+            "burst_p50_ms": percentile(crowd, 50) * 1e3,
+            "burst_p95_ms": percentile(crowd, 95) * 1e3,
+            "burst_p95_over_lone_p50": percentile(crowd, 95) / percentile(lone, 50),
             "burst_tokens_per_s": statistics.median(rates),
         }
 
@@ -157,7 +156,7 @@ def _ttft(x: float | None) -> float:
     return x
 
 
-def _pct(xs: list[float], q: float) -> float:
+def percentile(xs: list[float], q: float) -> float:
     ys = sorted(xs)
     return ys[min(len(ys) - 1, round(q / 100 * (len(ys) - 1)))]
 
@@ -166,6 +165,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="demo")
     p.add_argument("--quant", default="f32")
+    p.add_argument("--model", type=Path, help="a GGUF file instead of --preset/--quant")
     p.add_argument("--n", type=int, default=32, help="requests decoding together")
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--tokens", type=int, default=64, help="tokens per request")
@@ -173,10 +173,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--compile", action="store_true", help="mx.compile the step per shape")
+    p.add_argument("--blas", default="bundled", help="bundled | openblas | a CBLAS path")
     p.add_argument("--json", default=str(OUT_DIR / "scheduler_overhead.json"))
     args = p.parse_args()
+    harness.run_on_blas(args.blas)
 
-    path = harness.bench_model(args.preset, args.quant)
+    path = args.model or harness.bench_model(args.preset, args.quant)
     dtype = getattr(mx, args.dtype)
     context = max(args.prompt + args.tokens, args.prompt * 2 + 16) + 8
     bench = Bench(path, dtype, max(args.n, args.burst), context, args.compile)
@@ -186,8 +188,8 @@ def main() -> None:
         "bench": "scheduler_overhead",
         "model": path.name,
         "device": str(mx.default_device()),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "args": vars(args),
+        "machine": harness.machine(),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "overhead": over,
         "ttft": ttft,
     }

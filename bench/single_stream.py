@@ -30,9 +30,11 @@ import numpy as np
 from peers import Contender
 
 
-def sample(c: Contender, prefill: int, prompt: int, decode: int, seed: int) -> dict[str, Any]:
+def sample(
+    c: Contender, prefill: int, prompt: int, decode: int, seed: int, vocab: int
+) -> dict[str, Any]:
     """One timed prefill and one timed greedy decode on `c` (runs in the contender's worker)."""
-    tokens = harness.prompt_tokens(max(prefill, prompt), seed)
+    tokens = harness.prompt_tokens(max(prefill, prompt), seed, vocab)
     c.start(1, prefill)
     with harness.Meter() as pre:
         logits = c.prefill([tokens[:prefill]])
@@ -57,7 +59,10 @@ def sample(c: Contender, prefill: int, prompt: int, decode: int, seed: int) -> d
 
 def main() -> None:
     args = parse_args()
-    sides = harness.sides_for(args.blas, args.compile, args.threads, args.kv_dtype)
+    sides = harness.sides_for(
+        args.blas, args.compile, args.threads, args.kv_dtype, args.peers, args.dtype
+    )
+    pairs = harness.ratios(sides)
     record: dict[str, Any] = {
         "benchmark": "single_stream",
         "command": "bench/single_stream.py " + " ".join(args.argv),
@@ -74,6 +79,7 @@ def main() -> None:
         path = harness.bench_model(args.preset, quant)
         model = f"{args.preset} {quant}"
         kw = {"prefill": args.prefill, "prompt": args.prompt, "decode": args.decode}
+        kw["vocab"] = harness.prompt_vocab(path)
         samples: dict[str, list[dict[str, Any]]] = {s.name: [] for s in sides}
         with harness.workers(sides, path) as ws:
             for i in range(args.warmup + args.reps):
@@ -95,11 +101,9 @@ def main() -> None:
                 k: harness.median([s[f"{phase}_cores"] for s in v]) for k, v in samples.items()
             }
             med = {k: harness.STATS[args.stat](v) for k, v in rates.items()}
-            peer = med["llama.cpp"]
-            ours = [s.name for s in sides if s.kind == "ours"]
             rows.append(
                 [model, f"{phase} {n}", *[med[s.name] for s in sides]]
-                + [med[k] / peer for k in ours]
+                + [med[a] / med[b] for a, b in pairs]
             )
             core_rows.append([model, phase, *[cores[s.name] for s in sides]])
             record["summary"].append(
@@ -113,7 +117,7 @@ def main() -> None:
                     "tok_s_best": {k: max(v) for k, v in rates.items()},
                     "tok_s_all": rates,
                     "cores_busy_median": cores,
-                    "ratio_vs_llama_cpp": {k: med[k] / peer for k in ours},
+                    "ratios": {f"{a} / {b}": med[a] / med[b] for a, b in pairs},
                 }
             )
         checks = token_checks(samples, [s.name for s in sides])
@@ -130,10 +134,9 @@ def main() -> None:
                     | {k: x for k, x in s.items() if k != "prefill_logits"}
                 )
 
-    ours = [s.name for s in sides if s.kind == "ours"]
     header = ["model", "phase", *[f"{s.name} tok/s" for s in sides]]
     print(f"\ntok/s: {args.stat} of {args.reps} samples; ratios of those")
-    header += [f"{k} / llama.cpp" for k in ours]
+    header += [f"{a} / {b}" for a, b in pairs]
     print()
     print(harness.markdown_table(header, rows))
     print()

@@ -12,6 +12,7 @@ Shapes follow numpy order (the reverse of ggml's `ne`), so a matrix is
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -360,6 +361,8 @@ def _layer_value(v: Any) -> int:
 
 def _pack(q: np.ndarray, bits: int) -> np.ndarray:
     """Pack unsigned ints (out, in) into uint32 words, element j at bit bits*(j % per_word)."""
+    if bits == 8 and sys.byteorder == "little":  # the bytes already are the words (9B: minutes)
+        return np.ascontiguousarray(q, dtype=np.uint8).view(np.uint32)
     per_word = 32 // bits
     rows, cols = q.shape
     q = q.astype(np.uint32).reshape(rows, cols // per_word, per_word)
@@ -399,7 +402,7 @@ def _quantized(
 def _repack_q8_0(raw: np.ndarray, shape: tuple[int, int], dtype: mx.Dtype) -> QuantizedWeight:
     b = _blocks(raw, shape, 2 + GROUP_SIZE)  # f16 d, int8 q[32]: w = d * q
     d = _scale(b, 0)
-    q = b[..., 2:].view(np.int8).astype(np.int16) + 128
+    q = b[..., 2:] ^ np.uint8(0x80)  # int8 q + 128 as uint8
     return _quantized(q, d, -128.0 * d, 8, shape, dtype)
 
 

@@ -139,18 +139,23 @@ def _cmd_loadgen(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    from transport import config, daemon
+    from transport import blas, config
 
     flags = {key.name: getattr(args, key.name) for key in config.KEYS}
     file = None if args.config is None else Path(args.config)
     try:
         settings = config.load(file, os.environ, flags)
-    except config.ConfigError as e:
+        if not args.check:  # before MLX is imported: a preload re-executes the process
+            command = [sys.executable, "-m", "transport.cli", *args.argv]
+            blas.ensure_preloaded(settings.blas, command)
+    except (config.ConfigError, blas.BlasError) as e:
         print(f"slotserve serve: config error: {e}", file=sys.stderr)
         return 2
     if args.check:
         print(f"slotserve serve: settings are valid: {settings}", file=sys.stderr)
         return 0
+    from transport import daemon
+
     return daemon.run(settings)
 
 
@@ -245,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # to re-execute with (`serve`)
     try:
         return args._commands[args.command](args)
     except (ValueError, OSError) as e:

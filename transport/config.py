@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from transport import blas
+
 ENV_PREFIX = "SLOTSERVE_"
 LOG_FORMATS = ("plain", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -49,6 +51,7 @@ class DaemonConfig:
     metrics_address: str | None = "127.0.0.1:9464"  # host:port; None = no metrics server
     pid_file: Path | None = None
     drain_timeout: float = 30.0  # seconds in-flight requests may run after SIGTERM
+    blas: str = "bundled"  # BLAS under MLX's CPU backend: bundled, openblas or a library path
 
     @property
     def max_draft(self) -> int:
@@ -144,6 +147,11 @@ def _address(v: Any) -> str | None:
     return str(v)
 
 
+def _blas(v: Any) -> str:
+    blas.library(_text(v))  # exists, on Linux, or a BlasError (a ValueError) saying what to do
+    return str(v)
+
+
 @dataclass(frozen=True)
 class Key:
     """One setting: how to parse it (from TOML values and from strings) and its help."""
@@ -177,6 +185,7 @@ KEYS = (
     Key("metrics_address", _address, 'Prometheus endpoint host:port ("" = off)'),
     Key("pid_file", _optional_path, "write the process id here while running"),
     Key("drain_timeout", _seconds, "seconds in-flight requests may run after SIGTERM"),
+    Key("blas", _blas, "BLAS under MLX on a Linux CPU: bundled, openblas or a CBLAS .so path"),
 )
 _BY_NAME = {k.name: k for k in KEYS}
 

@@ -1,0 +1,151 @@
+"""Scenario (e) of issue 9: what the scheduler and the daemon (protocol, ZeroMQ, a second
+process for the clients) cost over the bare engine, on the same model, BLAS and workload.
+
+Workload: rounds of N requests of `--prompt` random tokens, `--tokens` greedy tokens each
+(no EOS stop, speculation off), all N arriving together. Three ways, `--rounds` timed rounds
+each after one untimed round:
+
+* engine: `ModelRunner` alone (bench/peers.py `Ours`): per round one batched prefill of the
+  N prompts, then `tokens - 1` batched decode steps, argmax on the host;
+* scheduler: the real `Scheduler` in this process (no sockets), N requests submitted in one
+  tick per round and collected;
+* daemon: `slotserve serve` as a subprocess on an ipc socket, driven by `slotserve loadgen`'s
+  closed loop (concurrency N, N x rounds requests) from this process.
+
+tokens/s = generated tokens / wall seconds of the timed rounds; each row's ratio to the
+engine row; TTFT p50 / p95 where there are requests. The script re-executes itself with the
+`--blas` library preloaded (the daemon does the same), so all three run on one BLAS.
+
+    .venv/bin/python bench/end_to_end.py [--preset bench-50m --quant f16] [--n 8] [--blas openblas]
+
+Prints a table; writes out/bench/end_to_end.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import harness
+import mlx.core as mx
+import numpy as np
+from peers import Ours
+from scheduler_overhead import Bench, percentile
+
+from transport import loadgen, loadreport
+from transport.daemon.demo import Supervised
+
+
+def engine_rounds(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
+    ours = Ours(path, kv_dtype="float16")  # the daemon's defaults: f32 compute, f16 KV
+    walls = []
+    for r in range(args.rounds + 1):
+        prompts = [harness.prompt_tokens(args.prompt, 1000 * r + i, vocab) for i in range(args.n)]
+        t0 = time.perf_counter()
+        ours.start(args.n, args.prompt + args.tokens)
+        toks = [int(t) for t in np.argmax(ours.prefill(prompts), axis=-1)]
+        for _ in range(args.tokens - 1):
+            toks = [int(t) for t in np.argmax(ours.decode(toks), axis=-1)]
+        if r:
+            walls.append(time.perf_counter() - t0)
+    return {"tokens": args.n * args.tokens * args.rounds, "wall_s": sum(walls)}
+
+
+async def scheduler_rounds(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    bench = Bench(path, mx.float32, args.n, args.prompt + args.tokens + 8, compile=False)
+    scheduler = bench.scheduler()
+    ttft: list[float] = []
+    tokens, wall = 0, 0.0
+    async with scheduler.running():
+        for r in range(args.rounds + 1):
+            t0 = time.perf_counter()
+            handles = [
+                scheduler.submit(bench.request(args.prompt, args.tokens)) for _ in range(args.n)
+            ]
+            results = [await h.collect() for h in handles]
+            if r:
+                wall += time.perf_counter() - t0
+                tokens += sum(len(x.token_ids) for x in results)
+                ttft += [x.finished.timings.ttft_s or 0.0 for x in results]
+    return {"tokens": tokens, "wall_s": wall, "ttft_s": ttft}
+
+
+def daemon_rounds(path: Path, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    endpoint = f"ipc://{tmp}/end_to_end.sock"
+    serve = ["--model", str(path), "--endpoints", endpoint, "--slots", str(args.n)]
+    serve += ["--context", str(args.prompt + args.tokens + 8), "--speculation", "off"]
+    serve += ["--metrics-address", "", "--blas", args.blas, "--log-level", "warning"]
+
+    def config(requests: int) -> loadgen.LoadConfig:
+        return loadgen.LoadConfig(endpoint=endpoint, concurrency=args.n, requests=requests)
+
+    def load(c: loadgen.LoadConfig) -> list[loadgen.Record]:
+        return anyio.run(loadgen.run_load, c, None, args.prompt, args.tokens, None)
+
+    timed = config(args.n * args.rounds)
+    with Supervised(serve, endpoint):
+        load(config(args.n))  # warm-up round
+        records = load(timed)
+    s = loadreport.summarize(timed, records)
+    ttft = [t for r in records if (t := r.ttft) is not None]
+    return {"tokens": s.output_tokens, "wall_s": s.wall_s, "ttft_s": ttft, "errors": s.errors}
+
+
+def main() -> None:
+    args = parse_args()
+    harness.run_on_blas(args.blas)
+    path = args.model or harness.bench_model(args.preset, args.quant)
+    vocab = harness.prompt_vocab(path)
+    record: dict[str, Any] = {
+        "benchmark": "end_to_end",
+        "command": "bench/end_to_end.py " + " ".join(sys.argv[1:]),
+        "machine": harness.machine(),
+        "model": path.name,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "rows": {},
+    }
+    tmp = harness.OUT_DIR / "end_to_end_tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    rows = record["rows"]
+    rows["engine"] = engine_rounds(path, args, vocab)
+    rows["scheduler"] = anyio.run(scheduler_rounds, path, args)
+    rows["daemon + loadgen"] = daemon_rounds(path, args, tmp)
+    base = rows["engine"]["tokens"] / rows["engine"]["wall_s"]
+    table = []
+    for name, r in rows.items():
+        r["tok_s"] = r["tokens"] / r["wall_s"]
+        r["ratio_to_engine"] = r["tok_s"] / base
+        if ttft := r.get("ttft_s"):
+            r["ttft_p50_ms"] = 1e3 * percentile(ttft, 50)
+            r["ttft_p95_ms"] = 1e3 * percentile(ttft, 95)
+        latency = [r.get("ttft_p50_ms", "-"), r.get("ttft_p95_ms", "-")]
+        table.append([name, r["tokens"], r["tok_s"], r["ratio_to_engine"], *latency])
+    print(
+        f"\n{path.name}, blas {args.blas}, N = {args.n}, {args.prompt}-token prompts, "
+        f"{args.tokens} tokens each, {args.rounds} rounds\n"
+    )
+    header = ["path", "tokens", "tok/s", "/ engine", "TTFT p50 ms", "TTFT p95 ms"]
+    print(harness.markdown_table(header, table))
+    print(f"\n{harness.write_json('end_to_end', record, args.out)}")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", default="bench-50m", help="engine.writer preset")
+    p.add_argument("--quant", default="f16")
+    p.add_argument("--model", type=Path, help="a GGUF file instead of --preset/--quant")
+    p.add_argument("--n", type=int, default=8, help="requests together (and daemon slots)")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
+    p.add_argument("--tokens", type=int, default=64, help="generated tokens per request")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds of N requests")
+    p.add_argument("--blas", default=harness.default_blas(), help="bundled | openblas | a path")
+    p.add_argument("--out", type=Path, help="JSON path")
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    main()
