@@ -31,7 +31,7 @@ import numpy as np
 
 from engine.cache import SlotId
 from engine.runner import ModelRunner, Row, RowOutput
-from engine.sampling import RequestRng, SamplingParams, adjust_logits, distribution, draw
+from engine.sampling import RequestRng, SamplingParams, adjust_logits, distribution, sample
 from engine.spec.acceptance import accept
 from engine.spec.controller import MODES, CostController, Offer
 from engine.spec.drafters import Draft, Drafter, DraftJob, MTPDrafter, NgramDrafter
@@ -66,7 +66,8 @@ class Committed:
     """What one slot committed in a step, with what the sampler saw for each token."""
 
     tokens: list[int]
-    logits: list[mx.array] = field(default_factory=list)  # adjusted logits per token, [V]
+    # adjusted logits per token, [V] each; only when the request asks for log-probabilities
+    logits: list[mx.array] = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
     drafter: str = ""  # "" when the slot did not draft
@@ -125,9 +126,7 @@ def sample_rows(
 ) -> tuple[list[int], mx.array]:
     """Sample one token per row of `logits [N, V]`; returns (tokens, adjusted logits)."""
     adjusted = adjust_logits(logits, params, histories)
-    probs = distribution(adjusted, params)
-    uniforms = np.array([rng.uniform(1)[0] for rng in rngs])
-    return [int(t) for t in np.array(draw(probs, uniforms))], adjusted
+    return sample(adjusted, params, rngs).tolist(), adjusted
 
 
 class Speculator:
@@ -245,6 +244,39 @@ class Speculator:
             return []
         plans = [self._plans.pop(d.slot) for d in decoding]
         ks = [len(p.draft.tokens) for p in plans]
+        if any(ks):
+            committed = self._accept(decoding, plans, outputs, ks)
+        else:
+            committed = self._plain(decoding, plans, outputs)
+        self._observe_cycle(len(decoding))
+        return committed
+
+    # -- internals -------------------------------------------------------------------------
+    def _plain(
+        self, decoding: Sequence[DecodingSlot], plans: list[_Plan], outputs: Sequence[RowOutput]
+    ) -> list[Committed]:
+        """A step without drafts: one token per slot, sampled (`sample`) with no acceptance.
+        The same tokens `_accept` would give for K = 0, at a fraction of its cost."""
+        params = [d.params for d in decoding]
+        histories = [d.history if d.params.penalized else () for d in decoding]
+        logits = mx.concatenate([o.logits[-1:] for o in outputs])
+        adjusted = adjust_logits(logits, params, histories)
+        tokens = sample(adjusted, params, [d.rng for d in decoding]).tolist()
+        committed = []
+        for i, (d, plan, out, tok) in enumerate(zip(decoding, plans, outputs, tokens, strict=True)):
+            self._commit(d.slot, plan, out, 0, 0)
+            wanted = [adjusted[i]] if d.params.logprobs else []
+            committed.append(Committed([tok], wanted, 0, 0, plan.drafter))
+        return committed
+
+    def _accept(
+        self,
+        decoding: Sequence[DecodingSlot],
+        plans: list[_Plan],
+        outputs: Sequence[RowOutput],
+        ks: list[int],
+    ) -> list[Committed]:
+        """A step where some slots verify drafts: exact acceptance over all of them."""
         params = [d.params for d, k in zip(decoding, ks, strict=True) for _ in range(k + 1)]
         histories = [  # what the penalties count at each verified position
             d.history + p.draft.tokens[:j] if d.params.penalized else []
@@ -273,17 +305,11 @@ class Speculator:
         for d, plan, out, k, a, tok in zip(decoding, plans, outputs, ks, n, nxt, strict=True):
             a = int(a)
             self._commit(d.slot, plan, out, k, a)
+            wanted = [adjusted[offset + j] for j in range(a + 1)] if d.params.logprobs else []
             committed.append(
-                Committed(
-                    [*plan.draft.tokens[:a], int(tok)],
-                    [adjusted[offset + j] for j in range(a + 1)],
-                    k,
-                    a,
-                    plan.drafter,
-                )
+                Committed([*plan.draft.tokens[:a], int(tok)], wanted, k, a, plan.drafter)
             )
             offset += k + 1
-        self._observe_cycle(len(decoding))
         return committed
 
     # -- internals -------------------------------------------------------------------------
