@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
@@ -45,7 +44,6 @@ import harness
 import mlx.core as mx
 import numpy as np
 import zmq
-from anyio.streams.memory import MemoryObjectSendStream
 
 from engine.cache import SlotPool
 from engine.gguf import GGUFFile
@@ -55,7 +53,7 @@ from engine.tokenizer import Tokenizer
 from engine.writer import preset, write_model
 from scheduler import (
     Delta,
-    Event,
+    EventSink,
     Finished,
     FinishReason,
     Request,
@@ -119,21 +117,21 @@ def tiny_model() -> Path:
 
 class StubScheduler:
     """BENCHMARK ONLY — not a scheduler (`--transport-only`). Has the Scheduler's surface
-    the Server uses; every `step_s` it sends each live request a one-token Delta naming
-    the step (then its Finished at max_tokens) through a real RequestHandle, with no
+    the Server uses; every `step_s` it passes each live request a one-token Delta naming
+    the step (then its Finished at max_tokens) to the request's event sink, with no
     sampling, detokenizing or batching work: what is left is the transport's cost."""
 
     def __init__(self, step_s: float, vocab: int) -> None:
         self.step_s = step_s
         self.vocab = vocab
         self.step_ends: list[float] = []
-        self._live: dict[str, tuple[MemoryObjectSendStream[Event], list[int]]] = {}
+        self._live: dict[str, tuple[EventSink, list[int]]] = {}
 
-    def submit(self, request: Request) -> RequestHandle:
-        send, receive = anyio.create_memory_object_stream[Event](math.inf)
+    def submit(self, request: Request, sink: EventSink | None = None) -> RequestHandle:
         assert request.request_id is not None and request.max_tokens is not None
-        self._live[request.request_id] = (send, [0, request.max_tokens])
-        return RequestHandle(request.request_id, len(PROMPT), receive, self.cancel)
+        assert sink is not None, "the stub serves the Server, which submits with a sink"
+        self._live[request.request_id] = (sink, [0, request.max_tokens])
+        return RequestHandle(request.request_id, len(PROMPT), None, self.cancel)
 
     def cancel(self, request_id: str) -> bool:
         live = self._live.pop(request_id, None)
@@ -149,18 +147,17 @@ class StubScheduler:
             await anyio.sleep(self.step_s)
             token = (len(self.step_ends) % self.vocab,)
             self.step_ends.append(time.monotonic())
-            for rid, (send, progress) in list(self._live.items()):
+            for rid, (sink, progress) in list(self._live.items()):
                 progress[0] += 1
-                send.send_nowait(Delta(rid, token, "x"))
+                sink(Delta(rid, token, "x"))
                 if progress[0] == progress[1]:
                     del self._live[rid]
-                    self._end(rid, send, FinishReason.LENGTH, progress[0])
+                    self._end(rid, sink, FinishReason.LENGTH, progress[0])
 
     @staticmethod
-    def _end(rid: str, send: MemoryObjectSendStream[Event], why: FinishReason, n: int) -> None:
+    def _end(rid: str, sink: EventSink, why: FinishReason, n: int) -> None:
         timings = Timings(0.0, None, None, None, 0.0)
-        send.send_nowait(Finished(rid, why, Usage(len(PROMPT), n), timings, SpecStats()))
-        send.close()
+        sink(Finished(rid, why, Usage(len(PROMPT), n), timings, SpecStats()))
 
 
 async def serve_and_load(

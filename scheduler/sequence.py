@@ -16,16 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from anyio.streams.memory import MemoryObjectSendStream
-
 from engine.cache import SlotId
 from engine.sampling import RequestRng
 from engine.spec.speculator import DecodingSlot
 from engine.spec.speculator import SpecStats as SpecRecord
 from engine.tokenizer import Tokenizer
+from scheduler.handle import Outlet
 from scheduler.outcome import (
     Delta,
-    Event,
     Finished,
     FinishReason,
     SpecStats,
@@ -47,7 +45,7 @@ class Phase(Enum):
 @dataclass(eq=False)
 class Sequence:
     prepared: Prepared
-    events: MemoryObjectSendStream[Event]
+    events: Outlet  # where its Deltas and its Finished go
     tokenizer: Tokenizer
     submitted_at: float
     reserved_bytes: int
