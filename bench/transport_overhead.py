@@ -102,7 +102,7 @@ class FixedCostRunner(ModelRunner):
         self.step_ends.append(time.monotonic())
         out, at = StepOutput(), 0
         for n in wanted:
-            out.rows.append(RowOutput(logits[at : at + n]))
+            out.rows.append(RowOutput(logits[at : at + n], packed=(logits, at)))
             at += n
         return out
 

@@ -61,6 +61,9 @@ class DraftRow:
 class RowOutput:
     logits: mx.array  # [len(want), vocab] float32
     hidden: mx.array | None = None  # [len(want), E] when asked
+    # (the step's logits of all rows, packed [sum(len(want)), vocab], and where this row's
+    # begin): lets a caller take many neighbouring rows' logits with one slice
+    packed: tuple[mx.array, int] | None = None
 
 
 @dataclass
@@ -140,7 +143,11 @@ class ModelRunner:
         for r in batch:
             n = len(r.wanted)
             out.rows.append(
-                RowOutput(logits[at : at + n], hidden[at : at + n] if r.want_hidden else None)
+                RowOutput(
+                    logits[at : at + n],
+                    hidden[at : at + n] if r.want_hidden else None,
+                    (logits, at),
+                )
             )
             at += n
         return out

@@ -44,6 +44,9 @@ from scheduler.sequence import Phase, Sequence
 from scheduler.stats import Counters, SchedulerStats
 from scheduler.step import Stepper, StepPlan, StepResult
 
+STEP_START_WAIT_S = 0.00005
+"""How long the loop blocks at a time (GIL released) for the step thread to start."""
+
 
 class _State(Enum):
     NEW = auto()
@@ -249,9 +252,11 @@ class Scheduler:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(run)
-            # Publishing holds the GIL: start it once the step thread is computing.
+            # Publishing holds the GIL: start it once the step thread is computing. Blocking
+            # on `started` hands the GIL over; a spin of checkpoints would compete for it.
             while not started.is_set():
-                await anyio.lowlevel.checkpoint()
+                await anyio.lowlevel.checkpoint()  # let `run` hand the plan to the thread
+                started.wait(STEP_START_WAIT_S)
             self._publish()
         return box[0]
 

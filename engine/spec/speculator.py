@@ -201,6 +201,13 @@ class Speculator:
         """One row per decoding slot, in order: `[pending, *drafts]` at the slot's length."""
         start = time.perf_counter()
         lengths = [self.runner.pool.lengths[d.slot] for d in decoding]
+        if not self.max_draft:  # nothing may draft (and no drafter has begun a slot)
+            rows = []
+            for d, n in zip(decoding, lengths, strict=True):
+                self._plans[d.slot] = _Plan("", Draft(), n)
+                rows.append(Row(d.slot, [d.pending], n))
+            self._cycle = (start, len(rows), 0)
+            return rows
         offers = [self._offer(d, n) for d, n in zip(decoding, lengths, strict=True)]
         depths = self.controller.choose(offers)
         drafts: dict[SlotId, tuple[str, Draft]] = {}
@@ -259,7 +266,7 @@ class Speculator:
         The same tokens `_accept` would give for K = 0, at a fraction of its cost."""
         params = [d.params for d in decoding]
         histories = [d.history if d.params.penalized else () for d in decoding]
-        logits = mx.concatenate([o.logits[-1:] for o in outputs])
+        logits = _last_logits(outputs)
         adjusted = adjust_logits(logits, params, histories)
         tokens = sample(adjusted, params, [d.rng for d in decoding]).tolist()
         committed = []
@@ -357,6 +364,20 @@ class Speculator:
         self._cycle = None
         if self.runner.last_tokens == tokens:
             self.controller.observe_step(width, depth, time.perf_counter() - start)
+
+
+def _last_logits(outputs: Sequence[RowOutput]) -> mx.array:
+    """`[N, V]`: each output's last logits row — one slice of the step's packed logits when
+    the outputs lie there side by side with one row each (plain decode rows), else gathered."""
+    first = outputs[0].packed
+    if first is not None:
+        packed, at = first
+        if all(
+            o.packed is not None and o.packed[0] is packed and o.packed[1] == at + i
+            for i, o in enumerate(outputs)
+        ) and all(o.logits.shape[0] == 1 for o in outputs):
+            return packed[at : at + len(outputs)]
+    return mx.concatenate([o.logits[-1:] for o in outputs])
 
 
 def _per_slot(rows: mx.array, ks: list[int]) -> mx.array:
