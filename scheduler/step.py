@@ -234,7 +234,10 @@ class Stepper:
         try:
             committed = self.speculator.resolve([_decoding(s) for s in seqs], outputs)
             for seq, c in zip(seqs, committed, strict=True):
-                result.decoded.append((seq, c, _logprobs(c.logits, c.tokens, seq)))
+                # c.logits are there only when the request asked for log-probabilities
+                result.decoded.append(
+                    (seq, c, _logprobs(c.logits, c.tokens, seq) if c.logits else [])
+                )
         except Exception as e:
             result.failed += [(s, _describe(e)) for s in seqs]
 

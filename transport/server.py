@@ -365,8 +365,9 @@ class Server:
 
     def _mark(self, session: _Session) -> None:
         """Have the flusher send what the session's requests produced."""
-        self._dirty[session] = None
-        self._flush_wanted.set()
+        if session not in self._dirty:
+            self._dirty[session] = None
+            self._flush_wanted.set()
 
     async def _flush_loop(self) -> None:
         while True:
@@ -374,13 +375,14 @@ class Server:
             self._flush_wanted = anyio.Event()
             # The scheduler publishes a whole step at once, so its events are all here.
             dirty, self._dirty = self._dirty, {}
-            for session in dirty:
-                if session.deltas:
-                    self._send(session, p.encode(p.Deltas(session.deltas)))
-                    session.deltas = []
-                terminals, session.terminals = session.terminals, []
-                for terminal in terminals:
-                    self._send(session, p.encode(terminal))
+            with self._sock.sending():
+                for session in dirty:
+                    if session.deltas:
+                        self._send(session, p.encode(p.Deltas(session.deltas)))
+                        session.deltas = []
+                    terminals, session.terminals = session.terminals, []
+                    for terminal in terminals:
+                        self._send(session, p.encode(terminal))
 
     # -- sending ------------------------------------------------------------------------------
     def _send(self, session: _Session, payload: bytes) -> None:
