@@ -17,8 +17,8 @@ Clients are bare DEALER sockets in one process (a closed loop: each keeps R
 requests in flight, replacing each as it ends), lean so that the server is
 what is measured.
 
-    python bench/transport_overhead.py [--clients 64] [--per-client 1 4] [--step-ms 0.5 2]
-                                       [--transport-only]
+    python bench/transport_overhead.py [--clients 64] [--per-client 1 4 16] [--step-ms 0.5 2]
+                                       [--transport-only] [--no-gc-freeze]
 
 `--transport-only` also replaces the scheduler, by `StubScheduler` (benchmark only):
 what remains is the server, the protocol and the socket — the transport's ceiling.
@@ -29,6 +29,7 @@ Prints a table; writes JSON to out/bench/transport_overhead.json (or transport_o
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -187,11 +188,16 @@ async def serve_and_load(
                 server = Server(scheduler, info, config)
                 await stack.enter_async_context(scheduler.running())
             (endpoint,) = await stack.enter_async_context(server.running())
+            if not args.no_gc_freeze:  # as the daemon does once it has warmed up
+                gc.collect()
+                gc.freeze()
             result_file = Path(tmp) / "clients.npz"
             cmd = [sys.executable, __file__, "--role-clients", endpoint, str(result_file)]
             cmd += ["--clients", str(args.clients), "--per-client", str(per_client)]
             cmd += ["--max-tokens", str(args.max_tokens), "--seconds", str(args.seconds)]
+            cpu0 = time.process_time()
             await anyio.run_process(cmd, stdout=None, stderr=None)
+            server_cpu = time.process_time() - cpu0
             received = np.load(result_file)
     step_ends = stub.step_ends if args.transport_only else runner.step_ends
     times = scheduler.stats().times
@@ -201,7 +207,10 @@ async def serve_and_load(
     alias_ms = 1000 * pool.config.n_vocab * args.seconds / len(step_ends)
     if result["added_ms_max"] > alias_ms / 2:
         print(f"warning: latencies near {alias_ms:.0f} ms alias; use a longer --step-ms")
+    tokens = max(int(received["count"].sum()), 1)  # over the whole run, warm-up included
     return result | {
+        "server_cpu_us_per_token": 1e6 * server_cpu / tokens,
+        "client_cpu_us_per_token": 1e6 * float(received["cpu_s"]) / tokens,
         "path": "transport only" if args.transport_only else "scheduler + transport",
         "clients": args.clients,
         "per_client": per_client,
@@ -270,7 +279,7 @@ def run_clients(
     token: list[int] = []
     count: list[int] = []
     messages = items = errors = 0
-    start = time.monotonic()
+    start, cpu0 = time.monotonic(), time.process_time()
     for sock in socks:
         for _ in range(per_client):
             sock.send(generate())
@@ -294,6 +303,7 @@ def run_clients(
                     sock.send(generate())
                 elif isinstance(msg, p.Error):
                     errors += 1
+    cpu_s = time.process_time() - cpu0
     for sock in socks:
         sock.send(p.encode(p.Bye()))
         sock.close()
@@ -302,16 +312,18 @@ def run_clients(
         print(f"clients: {errors} errors", file=sys.stderr)
     np.savez(
         out, at=np.asarray(at), token=np.asarray(token), count=np.asarray(count),
-        start=start, messages=messages, items=items,
+        start=start, messages=messages, items=items, cpu_s=cpu_s,
     )  # fmt: skip
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """One line per configuration; `sample ms` is the scheduler's sampling time per step."""
+    """One line per configuration; `sample ms` is the scheduler's sampling time per step;
+    `srv` / `cli cpu us/tok`: CPU time of the server / client process per streamed token
+    (all threads), which a machine shared with other work inflates far less than wall time."""
     head = (
         f"{'path':<21} {'clients':>7} {'req/cl':>6} {'slots':>5} {'step ms':>7} "
         f"{'steps/s':>7} {'tokens/s':>9} {'added p50 ms':>12} {'added p99 ms':>12} "
-        f"{'sample ms':>9} {'items/msg':>9}"
+        f"{'sample ms':>9} {'items/msg':>9} {'srv cpu us/tok':>14} {'cli cpu us/tok':>14}"
     )
     lines = ["model replaced by FixedCostRunner (benchmark only); clients over ipc", head]
     for r in rows:
@@ -320,7 +332,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['path']:<21} {r['clients']:>7} {r['per_client']:>6} {r['slots']:>5} "
             f"{r['step_ms']:>7.1f} {r['steps_per_s']:>7.0f} {r['tokens_per_s']:>9,.0f} "
             f"{r['added_ms_p50']:>12.3f} {r['added_ms_p99']:>12.3f} {sample:>9.2f} "
-            f"{r['deltas_per_message']:>9.2f}"
+            f"{r['deltas_per_message']:>9.2f} {r['server_cpu_us_per_token']:>14.2f} "
+            f"{r['client_cpu_us_per_token']:>14.2f}"
         )
     return "\n".join(lines)
 
@@ -328,12 +341,15 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", type=int, default=64)
-    ap.add_argument("--per-client", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--per-client", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--step-ms", type=float, nargs="+", default=[0.5, 2.0])
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=5.0, help="per configuration")
     ap.add_argument(
         "--transport-only", action="store_true", help="replace the scheduler by StubScheduler"
+    )
+    ap.add_argument(
+        "--no-gc-freeze", action="store_true", help="skip the daemon's gc.freeze() after setup"
     )
     ap.add_argument("--role-clients", nargs=2, metavar=("ENDPOINT", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -18,6 +18,7 @@ Speculative acceptance shapes its target and draft distributions with the same
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -79,13 +80,18 @@ class SamplingParams:
 
 
 class RequestRng:
-    """A request's own stream of uniforms: seeded requests replay exactly."""
+    """A request's own stream of uniforms: seeded requests replay exactly.
+
+    The generator is made at the first draw (greedy requests never draw, and making one
+    costs more than the rest of a submit); an unseeded request's seed comes from the OS."""
 
     def __init__(self, seed: int | None) -> None:
-        self.seed = int(np.random.default_rng().integers(0, 2**63)) if seed is None else seed
-        self._gen = np.random.default_rng(self.seed)
+        self.seed = secrets.randbits(63) if seed is None else seed
+        self._gen: np.random.Generator | None = None
 
     def uniform(self, n: int = 1) -> np.ndarray:
+        if self._gen is None:
+            self._gen = np.random.default_rng(self.seed)
         return self._gen.random(n)
 
 

@@ -103,6 +103,9 @@ class SpecStats:
             self.accepted_at_depth[d] += 1
 
 
+_NO_DRAFT = Draft()  # shared by plain rows; never changed
+
+
 @dataclass
 class _Plan:
     drafter: str
@@ -194,7 +197,10 @@ class Speculator:
         return self._stats.pop(slot, SpecStats())
 
     def stats(self, slot: SlotId) -> SpecStats:
-        return self._stats.setdefault(slot, SpecStats())
+        stats = self._stats.get(slot)
+        if stats is None:  # (not setdefault: that would build a SpecStats every call)
+            stats = self._stats[slot] = SpecStats()
+        return stats
 
     # -- a step ---------------------------------------------------------------------------
     def plan(self, decoding: Sequence[DecodingSlot]) -> list[Row]:
@@ -204,7 +210,7 @@ class Speculator:
         if not self.max_draft:  # nothing may draft (and no drafter has begun a slot)
             rows = []
             for d, n in zip(decoding, lengths, strict=True):
-                self._plans[d.slot] = _Plan("", Draft(), n)
+                self._plans[d.slot] = _Plan("", _NO_DRAFT, n)
                 rows.append(Row(d.slot, [d.pending], n))
             self._cycle = (start, len(rows), 0)
             return rows
