@@ -105,21 +105,28 @@ async def test_16_clients_with_4_requests_each_stream_their_solo_greedy_outputs(
         assert finished.usage == p.Usage(len(ids), lengths[i])
 
 
+async def greedy_by_hand(address: str, n: int, max_tokens: int) -> list[p.ServerMessage]:
+    """`n` greedy requests (prompts `[i + 1, 2, 3]`) from a bare peer: every message the
+    server sent until each had its terminal."""
+    raw = RawPeer(address)
+    await raw.hello()
+    for rid in range(n):
+        prompt = p.TokenPrompt([rid + 1, 2, 3])
+        raw.send(p.Generate(rid, prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    messages: list[p.ServerMessage] = []
+    while sum(isinstance(m, p.Finished | p.Error) for m in messages) < n:
+        messages.append(await raw.recv())
+    raw.close()
+    return messages
+
+
 async def test_one_steps_tokens_for_a_connection_travel_in_one_deltas_message(
     tiny: Tiny, tmp_path: Path
 ) -> None:
     """Every step makes tokens here (3-token prompts prefill in one step and sample their
     first token), so there is one Deltas message per step, whenever each request started."""
     async with serve(tiny, [endpoint("ipc", tmp_path)]) as (server, (address,)):
-        raw = RawPeer(address)
-        await raw.hello()
-        for rid in range(4):
-            prompt = p.TokenPrompt([rid + 1, 2, 3])
-            raw.send(p.Generate(rid, prompt, max_tokens=12, temperature=0, ignore_eos=True))
-        messages: list[p.ServerMessage] = []
-        while sum(isinstance(m, p.Finished) for m in messages) < 4:
-            messages.append(await raw.recv())
-        raw.close()
+        messages = await greedy_by_hand(address, 4, 12)
         steps = server.stats().steps
     batches = [[d.request_id for d in m.items] for m in messages if isinstance(m, p.Deltas)]
     assert sum(len(b) for b in batches) == 4 * 12
@@ -140,15 +147,7 @@ async def test_an_observer_that_raises_costs_no_request_its_tokens_or_its_termin
     config = ServerConfig(endpoints=(endpoint("ipc", tmp_path),))
     server = Server(scheduler, ModelInfo.of(scheduler, "tiny"), config, observer=observer)
     async with scheduler.running(), server.running() as (address,):
-        raw = RawPeer(address)
-        await raw.hello()
-        for rid in range(3):
-            prompt = p.TokenPrompt([rid + 1, 2, 3])
-            raw.send(p.Generate(rid, prompt, max_tokens=6, temperature=0, ignore_eos=True))
-        messages: list[p.ServerMessage] = []
-        while sum(isinstance(m, p.Finished | p.Error) for m in messages) < 3:
-            messages.append(await raw.recv())
-        raw.close()
+        messages = await greedy_by_hand(address, 3, 6)
     for rid in range(3):
         tokens = [
             t
