@@ -103,7 +103,7 @@ class FixedCostRunner(ModelRunner):
         self.step_ends.append(time.monotonic())
         out, at = StepOutput(), 0
         for n in wanted:
-            out.rows.append(RowOutput(logits[at : at + n], packed=(logits, at)))
+            out.rows.append(RowOutput(packed=(logits, None, at, n)))
             at += n
         return out
 

@@ -18,6 +18,7 @@ Speculative acceptance shapes its target and draft distributions with the same
 
 from __future__ import annotations
 
+import functools
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,11 +44,12 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int = 0  # top-n log-probabilities to report per token
 
-    @property
+    # Cached (read per row of every step): the fields are frozen.
+    @functools.cached_property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @functools.cached_property
     def penalized(self) -> bool:
         return (
             self.repetition_penalty != 1.0

@@ -377,11 +377,11 @@ def _last_logits(outputs: Sequence[RowOutput]) -> mx.array:
     the outputs lie there side by side with one row each (plain decode rows), else gathered."""
     first = outputs[0].packed
     if first is not None:
-        packed, at = first
+        packed, at = first[0], first[2]
         if all(
-            o.packed is not None and o.packed[0] is packed and o.packed[1] == at + i
+            o.packed is not None and o.packed[0] is packed and o.packed[2:] == (at + i, 1)
             for i, o in enumerate(outputs)
-        ) and all(o.logits.shape[0] == 1 for o in outputs):
+        ):
             return packed[at : at + len(outputs)]
     return mx.concatenate([o.logits[-1:] for o in outputs])
 
