@@ -17,8 +17,8 @@ Clients are bare DEALER sockets in one process (a closed loop: each keeps R
 requests in flight, replacing each as it ends), lean so that the server is
 what is measured.
 
-    python bench/transport_overhead.py [--clients 64] [--per-client 1 4] [--step-ms 0.5 2]
-                                       [--transport-only]
+    python bench/transport_overhead.py [--clients 64] [--per-client 1 4 16] [--step-ms 0.5 2]
+                                       [--transport-only] [--no-gc-freeze]
 
 `--transport-only` also replaces the scheduler, by `StubScheduler` (benchmark only):
 what remains is the server, the protocol and the socket — the transport's ceiling.
@@ -29,8 +29,8 @@ Prints a table; writes JSON to out/bench/transport_overhead.json (or transport_o
 from __future__ import annotations
 
 import argparse
+import gc
 import json
-import math
 import os
 import sys
 import tempfile
@@ -45,7 +45,6 @@ import harness
 import mlx.core as mx
 import numpy as np
 import zmq
-from anyio.streams.memory import MemoryObjectSendStream
 
 from engine.cache import SlotPool
 from engine.gguf import GGUFFile
@@ -55,7 +54,7 @@ from engine.tokenizer import Tokenizer
 from engine.writer import preset, write_model
 from scheduler import (
     Delta,
-    Event,
+    EventSink,
     Finished,
     FinishReason,
     Request,
@@ -104,7 +103,7 @@ class FixedCostRunner(ModelRunner):
         self.step_ends.append(time.monotonic())
         out, at = StepOutput(), 0
         for n in wanted:
-            out.rows.append(RowOutput(logits[at : at + n]))
+            out.rows.append(RowOutput(packed=(logits, None, at, n)))
             at += n
         return out
 
@@ -119,21 +118,21 @@ def tiny_model() -> Path:
 
 class StubScheduler:
     """BENCHMARK ONLY — not a scheduler (`--transport-only`). Has the Scheduler's surface
-    the Server uses; every `step_s` it sends each live request a one-token Delta naming
-    the step (then its Finished at max_tokens) through a real RequestHandle, with no
+    the Server uses; every `step_s` it passes each live request a one-token Delta naming
+    the step (then its Finished at max_tokens) to the request's event sink, with no
     sampling, detokenizing or batching work: what is left is the transport's cost."""
 
     def __init__(self, step_s: float, vocab: int) -> None:
         self.step_s = step_s
         self.vocab = vocab
         self.step_ends: list[float] = []
-        self._live: dict[str, tuple[MemoryObjectSendStream[Event], list[int]]] = {}
+        self._live: dict[str, tuple[EventSink, list[int]]] = {}
 
-    def submit(self, request: Request) -> RequestHandle:
-        send, receive = anyio.create_memory_object_stream[Event](math.inf)
+    def submit(self, request: Request, sink: EventSink | None = None) -> RequestHandle:
         assert request.request_id is not None and request.max_tokens is not None
-        self._live[request.request_id] = (send, [0, request.max_tokens])
-        return RequestHandle(request.request_id, len(PROMPT), receive, self.cancel)
+        assert sink is not None, "the stub serves the Server, which submits with a sink"
+        self._live[request.request_id] = (sink, [0, request.max_tokens])
+        return RequestHandle(request.request_id, len(PROMPT), None, self.cancel)
 
     def cancel(self, request_id: str) -> bool:
         live = self._live.pop(request_id, None)
@@ -149,18 +148,17 @@ class StubScheduler:
             await anyio.sleep(self.step_s)
             token = (len(self.step_ends) % self.vocab,)
             self.step_ends.append(time.monotonic())
-            for rid, (send, progress) in list(self._live.items()):
+            for rid, (sink, progress) in list(self._live.items()):
                 progress[0] += 1
-                send.send_nowait(Delta(rid, token, "x"))
+                sink(Delta(rid, token, "x"))
                 if progress[0] == progress[1]:
                     del self._live[rid]
-                    self._end(rid, send, FinishReason.LENGTH, progress[0])
+                    self._end(rid, sink, FinishReason.LENGTH, progress[0])
 
     @staticmethod
-    def _end(rid: str, send: MemoryObjectSendStream[Event], why: FinishReason, n: int) -> None:
+    def _end(rid: str, sink: EventSink, why: FinishReason, n: int) -> None:
         timings = Timings(0.0, None, None, None, 0.0)
-        send.send_nowait(Finished(rid, why, Usage(len(PROMPT), n), timings, SpecStats()))
-        send.close()
+        sink(Finished(rid, why, Usage(len(PROMPT), n), timings, SpecStats()))
 
 
 async def serve_and_load(
@@ -190,11 +188,16 @@ async def serve_and_load(
                 server = Server(scheduler, info, config)
                 await stack.enter_async_context(scheduler.running())
             (endpoint,) = await stack.enter_async_context(server.running())
+            if not args.no_gc_freeze:  # as the daemon does once it has warmed up
+                gc.collect()
+                gc.freeze()
             result_file = Path(tmp) / "clients.npz"
             cmd = [sys.executable, __file__, "--role-clients", endpoint, str(result_file)]
             cmd += ["--clients", str(args.clients), "--per-client", str(per_client)]
             cmd += ["--max-tokens", str(args.max_tokens), "--seconds", str(args.seconds)]
+            cpu0 = time.process_time()
             await anyio.run_process(cmd, stdout=None, stderr=None)
+            server_cpu = time.process_time() - cpu0
             received = np.load(result_file)
     step_ends = stub.step_ends if args.transport_only else runner.step_ends
     times = scheduler.stats().times
@@ -204,7 +207,10 @@ async def serve_and_load(
     alias_ms = 1000 * pool.config.n_vocab * args.seconds / len(step_ends)
     if result["added_ms_max"] > alias_ms / 2:
         print(f"warning: latencies near {alias_ms:.0f} ms alias; use a longer --step-ms")
+    tokens = max(int(received["count"].sum()), 1)  # over the whole run, warm-up included
     return result | {
+        "server_cpu_us_per_token": 1e6 * server_cpu / tokens,
+        "client_cpu_us_per_token": 1e6 * float(received["cpu_s"]) / tokens,
         "path": "transport only" if args.transport_only else "scheduler + transport",
         "clients": args.clients,
         "per_client": per_client,
@@ -273,7 +279,7 @@ def run_clients(
     token: list[int] = []
     count: list[int] = []
     messages = items = errors = 0
-    start = time.monotonic()
+    start, cpu0 = time.monotonic(), time.process_time()
     for sock in socks:
         for _ in range(per_client):
             sock.send(generate())
@@ -297,6 +303,7 @@ def run_clients(
                     sock.send(generate())
                 elif isinstance(msg, p.Error):
                     errors += 1
+    cpu_s = time.process_time() - cpu0
     for sock in socks:
         sock.send(p.encode(p.Bye()))
         sock.close()
@@ -305,16 +312,18 @@ def run_clients(
         print(f"clients: {errors} errors", file=sys.stderr)
     np.savez(
         out, at=np.asarray(at), token=np.asarray(token), count=np.asarray(count),
-        start=start, messages=messages, items=items,
+        start=start, messages=messages, items=items, cpu_s=cpu_s,
     )  # fmt: skip
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """One line per configuration; `sample ms` is the scheduler's sampling time per step."""
+    """One line per configuration; `sample ms` is the scheduler's sampling time per step;
+    `srv` / `cli cpu us/tok`: CPU time of the server / client process per streamed token
+    (all threads), which a machine shared with other work inflates far less than wall time."""
     head = (
         f"{'path':<21} {'clients':>7} {'req/cl':>6} {'slots':>5} {'step ms':>7} "
         f"{'steps/s':>7} {'tokens/s':>9} {'added p50 ms':>12} {'added p99 ms':>12} "
-        f"{'sample ms':>9} {'items/msg':>9}"
+        f"{'sample ms':>9} {'items/msg':>9} {'srv cpu us/tok':>14} {'cli cpu us/tok':>14}"
     )
     lines = ["model replaced by FixedCostRunner (benchmark only); clients over ipc", head]
     for r in rows:
@@ -323,7 +332,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['path']:<21} {r['clients']:>7} {r['per_client']:>6} {r['slots']:>5} "
             f"{r['step_ms']:>7.1f} {r['steps_per_s']:>7.0f} {r['tokens_per_s']:>9,.0f} "
             f"{r['added_ms_p50']:>12.3f} {r['added_ms_p99']:>12.3f} {sample:>9.2f} "
-            f"{r['deltas_per_message']:>9.2f}"
+            f"{r['deltas_per_message']:>9.2f} {r['server_cpu_us_per_token']:>14.2f} "
+            f"{r['client_cpu_us_per_token']:>14.2f}"
         )
     return "\n".join(lines)
 
@@ -331,12 +341,15 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", type=int, default=64)
-    ap.add_argument("--per-client", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--per-client", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--step-ms", type=float, nargs="+", default=[0.5, 2.0])
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=5.0, help="per configuration")
     ap.add_argument(
         "--transport-only", action="store_true", help="replace the scheduler by StubScheduler"
+    )
+    ap.add_argument(
+        "--no-gc-freeze", action="store_true", help="skip the daemon's gc.freeze() after setup"
     )
     ap.add_argument("--role-clients", nargs=2, metavar=("ENDPOINT", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()

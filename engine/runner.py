@@ -57,10 +57,43 @@ class DraftRow:
     start: int
 
 
-@dataclass
+Packed = tuple[mx.array, "mx.array | None", int, int]
+"""(the step's logits of all rows `[sum(len(want)), vocab]`, their hidden states or None,
+where this row's begin, how many it has)."""
+
+
 class RowOutput:
-    logits: mx.array  # [len(want), vocab] float32
-    hidden: mx.array | None = None  # [len(want), E] when asked
+    """One row's outputs: `logits [len(want), vocab]` float32 and `hidden [len(want), E]`
+    when asked. The runner makes them as views of the step's `packed` arrays, sliced only
+    when read: a caller may take many neighbouring rows at once from `packed` instead."""
+
+    __slots__ = ("_hidden", "_logits", "packed")
+
+    def __init__(
+        self,
+        logits: mx.array | None = None,
+        hidden: mx.array | None = None,
+        packed: Packed | None = None,
+    ) -> None:
+        if logits is None and packed is None:
+            raise ValueError("a RowOutput needs its logits or the packed arrays they lie in")
+        self._logits, self._hidden, self.packed = logits, hidden, packed
+
+    @property
+    def logits(self) -> mx.array:
+        if self._logits is None:
+            assert self.packed is not None
+            logits, _, at, n = self.packed
+            self._logits = logits[at : at + n]
+        return self._logits
+
+    @property
+    def hidden(self) -> mx.array | None:
+        if self._hidden is None and self.packed is not None:
+            _, hidden, at, n = self.packed
+            if hidden is not None:
+                self._hidden = hidden[at : at + n]
+        return self._hidden
 
 
 @dataclass
@@ -138,9 +171,7 @@ class ModelRunner:
         out, at = StepOutput(), 0
         for r in batch:
             n = len(r.wanted)
-            out.rows.append(
-                RowOutput(logits[at : at + n], hidden[at : at + n] if r.want_hidden else None)
-            )
+            out.rows.append(RowOutput(packed=(logits, hidden if r.want_hidden else None, at, n)))
             at += n
         return out
 

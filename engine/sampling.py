@@ -9,12 +9,17 @@ Three steps, each batched over rows on the device:
    seeded generator supplies, so a request samples the same tokens whatever
    else shares its batch.
 
+`sample` does 2 and 3 for a step's rows the cheap way: one argmax for the greedy
+rows, one batched distribution and draw for the others.
+
 Speculative acceptance shapes its target and draft distributions with the same
 `distribution`, so both see identical temperature and truncation.
 """
 
 from __future__ import annotations
 
+import functools
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -39,11 +44,12 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int = 0  # top-n log-probabilities to report per token
 
-    @property
+    # Cached (read per row of every step): the fields are frozen.
+    @functools.cached_property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @functools.cached_property
     def penalized(self) -> bool:
         return (
             self.repetition_penalty != 1.0
@@ -76,13 +82,18 @@ class SamplingParams:
 
 
 class RequestRng:
-    """A request's own stream of uniforms: seeded requests replay exactly."""
+    """A request's own stream of uniforms: seeded requests replay exactly.
+
+    The generator is made at the first draw (greedy requests never draw, and making one
+    costs more than the rest of a submit); an unseeded request's seed comes from the OS."""
 
     def __init__(self, seed: int | None) -> None:
-        self.seed = int(np.random.default_rng().integers(0, 2**63)) if seed is None else seed
-        self._gen = np.random.default_rng(self.seed)
+        self.seed = secrets.randbits(63) if seed is None else seed
+        self._gen: np.random.Generator | None = None
 
     def uniform(self, n: int = 1) -> np.ndarray:
+        if self._gen is None:
+            self._gen = np.random.default_rng(self.seed)
         return self._gen.random(n)
 
 
@@ -161,6 +172,29 @@ def draw(probs: mx.array, uniforms: np.ndarray) -> mx.array:
     u = mx.array(uniforms.astype(np.float32))[:, None] * cdf[:, -1:]
     idx = (cdf <= u).sum(axis=-1)
     return mx.minimum(idx, probs.shape[-1] - 1).astype(mx.int32)
+
+
+def sample(
+    logits: mx.array, params: Sequence[SamplingParams], rngs: Sequence[RequestRng]
+) -> np.ndarray:
+    """One token per row of (adjusted) logits `[N, V]`: exactly the tokens of
+    `draw(distribution(logits, params), u)`, each sampled row's u from its request's
+    generator, but batched by kind — greedy rows with one argmax, the sampled rows with
+    one `distribution` and `draw` over just them. Greedy rows draw no uniform: their
+    token does not depend on it."""
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if not sampled:
+        return np.array(mx.argmax(logits, axis=-1))
+    uniforms = np.array([rngs[i].uniform(1)[0] for i in sampled])
+    if len(sampled) == len(params):
+        return np.array(draw(distribution(logits, params), uniforms))
+    rows = mx.array(sampled, dtype=mx.int32)
+    drawn = draw(distribution(logits[rows], [params[i] for i in sampled]), uniforms)
+    greedy = mx.argmax(logits, axis=-1)
+    mx.eval(greedy, drawn)
+    tokens = np.array(greedy).astype(np.int64)
+    tokens[sampled] = np.array(drawn)
+    return tokens
 
 
 def top_logprobs(logits: mx.array, n: int) -> tuple[mx.array, mx.array, mx.array]:

@@ -7,6 +7,7 @@ Public API (what the transport layer uses):
         handle = scheduler.submit(Request(prompt="...", max_tokens=64))  # or raises
         async for event in handle:          # Delta ..., then one Finished
             ...
+        scheduler.submit(request, sink=on_event)  # or: on_event(event) for each, no task hop
         scheduler.cancel(handle.request_id)
         scheduler.stats()
 
@@ -23,7 +24,7 @@ text) -> outcome.py, handle.py (what the caller receives).
 # them through it, never through the engine.
 from engine.sampling import SamplingParams
 from scheduler.config import SchedulerConfig
-from scheduler.handle import Completion, RequestHandle
+from scheduler.handle import Completion, EventSink, RequestHandle
 from scheduler.loop import Scheduler
 from scheduler.outcome import (
     Delta,
@@ -54,6 +55,7 @@ __all__ = [
     "DuplicateRequestId",
     "EmptyPrompt",
     "Event",
+    "EventSink",
     "FinishReason",
     "Finished",
     "InvalidRequest",

@@ -1,13 +1,32 @@
-"""The caller's side of one submitted request: its stream of events."""
+"""The caller's side of one submitted request: its events, by stream or by sink.
+
+Two ways to receive them, chosen at `Scheduler.submit`:
+- a `RequestHandle` to iterate (`async for event in handle`): each event waits in the
+  handle's own memory stream for the consumer's task — simple, for in-process callers;
+- an `EventSink`, a plain function the scheduler calls with each event as it
+  publishes, on the event loop, with no task hop: for a consumer of many requests
+  (the transport server batches a whole step for one connection this way).
+"""
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from scheduler.outcome import Delta, Event, Finished, TokenLogprob
+
+log = logging.getLogger("slotserve.scheduler")
+
+EventSink = Callable[[Event], None]
+"""Called synchronously on the scheduler's event loop with each event of one request, in
+order: zero or more `Delta`s, then exactly one `Finished`. It must not block. A sink that
+raises on a Delta ends its request with FinishReason.ERROR (the Finished still comes to
+it); nothing it raises reaches other requests or the loop."""
 
 
 @dataclass(frozen=True)
@@ -20,18 +39,70 @@ class Completion:
     finished: Finished
 
 
+class Outlet:
+    """Where the scheduler puts one request's events: `emit` each (False once they can no
+    longer be delivered), then `close`. `failure` says why a sink stopped taking them."""
+
+    failure: str | None = None
+
+    def emit(self, event: Event) -> bool:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class StreamOutlet(Outlet):
+    """Into a memory stream without bound (the scheduler never waits for a consumer), read
+    through a `RequestHandle`; False once the handle is closed."""
+
+    def __init__(self) -> None:
+        self.send, self.receive = anyio.create_memory_object_stream[Event](math.inf)
+
+    def emit(self, event: Event) -> bool:
+        try:
+            self.send.send_nowait(event)
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return False
+        return True
+
+    def close(self) -> None:
+        self.send.close()
+
+
+class SinkOutlet(Outlet):
+    """Into an `EventSink`, called at once; False (and `failure` set) once it has raised."""
+
+    def __init__(self, request_id: str, sink: EventSink) -> None:
+        self.request_id = request_id
+        self.sink = sink
+
+    def emit(self, event: Event) -> bool:
+        if self.failure is not None and isinstance(event, Delta):
+            return False
+        try:
+            self.sink(event)
+        except Exception as e:
+            log.exception("%s: the event sink failed on %s", self.request_id, type(event).__name__)
+            self.failure = self.failure or f"the event sink failed: {type(e).__name__}: {e}"
+            return False
+        return True
+
+
 class RequestHandle:
     """`async for event in handle`: zero or more `Delta`s, then exactly one `Finished`.
 
     Events are buffered without bound, so the scheduler never waits for a consumer.
-    Closing the handle (`aclose`) before the end cancels the request.
+    Closing the handle (`aclose`) before the end cancels the request. A request
+    submitted with a sink has a handle without events (`events` None): only its id,
+    prompt length and `cancel`.
     """
 
     def __init__(
         self,
         request_id: str,
         prompt_tokens: int,
-        events: MemoryObjectReceiveStream[Event],
+        events: MemoryObjectReceiveStream[Event] | None,
         cancel: Callable[[str], bool],
     ) -> None:
         self.request_id = request_id
@@ -40,6 +111,8 @@ class RequestHandle:
         self._cancel = cancel
 
     async def __aiter__(self) -> AsyncIterator[Event]:
+        if self._events is None:
+            raise RuntimeError(f"{self.request_id}: submitted with a sink; its events go there")
         async for event in self._events:
             yield event
 
@@ -48,7 +121,8 @@ class RequestHandle:
         return self._cancel(self.request_id)
 
     async def aclose(self) -> None:
-        await self._events.aclose()
+        if self._events is not None:
+            await self._events.aclose()
 
     async def collect(self) -> Completion:
         """Wait for the end and return the whole output."""

@@ -28,7 +28,6 @@ from enum import Enum, auto
 
 import anyio
 import anyio.lowlevel
-from anyio.streams.memory import MemoryObjectSendStream
 
 from engine.cache import SlotId
 from engine.runner import ModelRunner
@@ -37,13 +36,16 @@ from engine.spec.speculator import DecodingSlot, Speculator
 from engine.tokenizer import Tokenizer
 from scheduler.admission import MemoryBudget
 from scheduler.config import SchedulerConfig
-from scheduler.handle import RequestHandle
-from scheduler.outcome import Delta, Event, FinishReason, TokenLogprob
+from scheduler.handle import EventSink, RequestHandle, SinkOutlet, StreamOutlet
+from scheduler.outcome import Delta, FinishReason, TokenLogprob
 from scheduler.queue import Rejected, RejectReason, WaitQueue
 from scheduler.request import DuplicateRequestId, Request, Speculation, prepare
 from scheduler.sequence import Phase, Sequence
 from scheduler.stats import Counters, SchedulerStats
 from scheduler.step import Stepper, StepPlan, StepResult
+
+STEP_START_WAIT_S = 0.00005
+"""How long the loop blocks at a time (GIL released) for the step thread to start."""
 
 
 class _State(Enum):
@@ -107,8 +109,10 @@ class Scheduler:
                 with anyio.CancelScope(shield=True):
                     await self.shutdown()
 
-    def submit(self, request: Request) -> RequestHandle:
-        """Validate and queue `request`; returns its handle at once.
+    def submit(self, request: Request, sink: EventSink | None = None) -> RequestHandle:
+        """Validate and queue `request`; returns its handle at once. Its events come through
+        the handle, or, when `sink` is given, are passed to it as they are published
+        (`EventSink`; the handle then only cancels).
 
         Raises `InvalidRequest` (a subclass names the problem) or `Rejected` (queue full
         with `retry_after_s`, never fits the memory budget, or shutting down).
@@ -131,10 +135,10 @@ class Scheduler:
                 f"the request needs {nbytes} bytes; the whole budget is "
                 f"{self._budget.budget_bytes} (lower max_tokens)",
             )
-        send, receive = anyio.create_memory_object_stream[Event](math.inf)
+        outlet = StreamOutlet() if sink is None else SinkOutlet(rid, sink)
         seq = Sequence(
             prepared,
-            send,
+            outlet,
             self.tokenizer,
             submitted_at=time.monotonic(),
             reserved_bytes=nbytes,
@@ -144,12 +148,14 @@ class Scheduler:
             self._queue.push(seq, request.priority, seq.submitted_at)
         except Rejected:
             self._counters.rejected += 1
-            send.close()
-            receive.close()
+            if isinstance(outlet, StreamOutlet):
+                outlet.send.close()
+                outlet.receive.close()
             raise
         self._seqs[rid] = seq
         self._counters.submitted += 1
         self._wakeup.set()
+        receive = outlet.receive if isinstance(outlet, StreamOutlet) else None
         return RequestHandle(rid, len(prepared.prompt), receive, self.cancel)
 
     def cancel(self, request_id: str) -> bool:
@@ -246,9 +252,11 @@ class Scheduler:
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(run)
-            # Publishing holds the GIL: start it once the step thread is computing.
+            # Publishing holds the GIL: start it once the step thread is computing. Blocking
+            # on `started` hands the GIL over; a spin of checkpoints would compete for it.
             while not started.is_set():
-                await anyio.lowlevel.checkpoint()
+                await anyio.lowlevel.checkpoint()  # let `run` hand the plan to the thread
+                started.wait(STEP_START_WAIT_S)
             self._publish()
         return box[0]
 
@@ -359,7 +367,10 @@ class Scheduler:
                 self._finish(seq, FinishReason.ERROR, f"{type(e).__name__}: {e}")
                 continue
             if delta is not None and not self._deliver(seq, delta):
-                self._finish(seq, FinishReason.CANCELLED)
+                # The consumer closed its handle, or its sink failed.
+                failure = seq.events.failure
+                reason = FinishReason.CANCELLED if failure is None else FinishReason.ERROR
+                self._finish(seq, reason, failure)
             elif seq.ending is not None:
                 self._finish(seq, seq.ending)
         self._counters.times.publish_s += time.perf_counter() - t0
@@ -376,23 +387,15 @@ class Scheduler:
         if delta is not None:
             self._deliver(seq, delta)
         final = seq.finished(reason if seq.ending is None else seq.ending, now, error)
-        self._send(seq.events, final)
+        seq.events.emit(final)
         seq.events.close()
         del self._seqs[seq.id]
         self._counters.finished[final.reason] += 1
 
     def _deliver(self, seq: Sequence, delta: Delta) -> bool:
+        """False when the consumer has closed its handle or its sink failed."""
         self._counters.generated_tokens += len(delta.token_ids)
-        return self._send(seq.events, delta)
-
-    @staticmethod
-    def _send(events: MemoryObjectSendStream[Event], event: Event) -> bool:
-        """False when the consumer has closed its handle."""
-        try:
-            events.send_nowait(event)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            return False
-        return True
+        return seq.events.emit(delta)
 
     def _count(self, result: StepResult, schedule_s: float, wall_s: float) -> None:
         t = self._counters.times

@@ -16,16 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from anyio.streams.memory import MemoryObjectSendStream
-
 from engine.cache import SlotId
 from engine.sampling import RequestRng
 from engine.spec.speculator import DecodingSlot
 from engine.spec.speculator import SpecStats as SpecRecord
 from engine.tokenizer import Tokenizer
+from scheduler.handle import Outlet
 from scheduler.outcome import (
     Delta,
-    Event,
     Finished,
     FinishReason,
     SpecStats,
@@ -47,7 +45,7 @@ class Phase(Enum):
 @dataclass(eq=False)
 class Sequence:
     prepared: Prepared
-    events: MemoryObjectSendStream[Event]
+    events: Outlet  # where its Deltas and its Finished go
     tokenizer: Tokenizer
     submitted_at: float
     reserved_bytes: int
@@ -92,22 +90,25 @@ class Sequence:
         """Take a step's tokens: stop at a stop token or at max_tokens (dropping the rest),
         and advance the decode state when the sequence goes on (`remaining` keeps the
         Speculator from drafting past max_tokens)."""
-        kept: list[int] = []
-        for t in tokens:
-            if self.committed + len(kept) >= self.prepared.max_tokens:
-                break
-            kept.append(t)
-            if t in self.prepared.stop_ids:
-                self.ending, self.matched_stop = FinishReason.STOP, t
-                break
-        if self.ending is None and self.committed + len(kept) >= self.prepared.max_tokens:
+        room = max(0, self.prepared.max_tokens - self.committed)
+        kept = tokens[:room] if len(tokens) > room else tokens
+        stop_ids = self.prepared.stop_ids
+        if stop_ids and not stop_ids.isdisjoint(kept):
+            for i, t in enumerate(kept):
+                if t in stop_ids:
+                    kept = kept[: i + 1]
+                    self.ending, self.matched_stop = FinishReason.STOP, t
+                    break
+        if self.ending is None and len(kept) >= room:
             self.ending = FinishReason.LENGTH
         self._unpublished += kept
-        self._logprobs += logprobs[: len(kept)]
-        if self.decoding is not None and self.ending is None:
-            self.decoding.history.extend(kept)
-            self.decoding.pending = kept[-1]
-            self.decoding.remaining = self.prepared.max_tokens - self.committed
+        if logprobs:
+            self._logprobs += logprobs[: len(kept)]
+        decoding = self.decoding
+        if decoding is not None and self.ending is None:
+            decoding.history += kept
+            decoding.pending = kept[-1]
+            decoding.remaining = room - len(kept)
 
     def take_delta(self, now: float, final: bool = False) -> Delta | None:
         """The committed, unpublished tokens as a Delta (None if there is nothing new).
@@ -119,22 +120,28 @@ class Sequence:
         """
         tokens, lps = self._unpublished, self._logprobs
         self._unpublished, self._logprobs = [], []
-        text, n = [], 0
-        for t in tokens:
-            n += 1
-            if t in self.prepared.stop_ids:
-                continue
-            safe, stop = self.stops.push(self.detok.push(t))
-            text.append(safe)
-            if stop is not None:
-                self.ending, self.matched_stop = FinishReason.STOP, stop
-                break
+        stop_ids, push = self.prepared.stop_ids, self.detok.push
+        text: list[str] = []
+        n = len(tokens)
+        if not self.stops.active:  # no stop strings: the text is the tokens' text
+            text = [push(t) for t in tokens if t not in stop_ids]
+        else:
+            for i, t in enumerate(tokens):
+                if t in stop_ids:
+                    continue
+                safe, stop = self.stops.push(push(t))
+                text.append(safe)
+                if stop is not None:
+                    self.ending, self.matched_stop = FinishReason.STOP, stop
+                    n = i + 1
+                    break
         if (final or self.ending is not None) and not isinstance(self.matched_stop, str):
             safe, stop = self.stops.push(self.detok.flush())
             text.append(safe if stop is not None else safe + self.stops.flush())
             if stop is not None:
                 self.ending, self.matched_stop = FinishReason.STOP, stop
-        tokens, lps = tokens[:n], lps[:n]
+        if n < len(tokens):
+            tokens, lps = tokens[:n], lps[:n]
         if tokens:
             if self.first_token_at is None:
                 self.first_token_at = now

@@ -32,7 +32,14 @@ import numpy as np
 from engine.cache import PoolError, SlotId
 from engine.runner import BatchError, ModelRunner, Row, RowOutput
 from engine.sampling import top_logprobs
-from engine.spec.speculator import Committed, DecodingSlot, Speculator, sample_rows
+from engine.spec.controller import CostController
+from engine.spec.speculator import (
+    Committed,
+    DecodingSlot,
+    SpecStats,
+    Speculator,
+    sample_rows,
+)
 from scheduler.outcome import TokenLogprob
 from scheduler.sequence import Sequence as Seq
 
@@ -93,6 +100,11 @@ def prefill_chunks(prefilling: Sequence[Seq], budget: int, max_chunk: int) -> li
     return chunks
 
 
+HOST_ONLY = (int, float, str, bool, type(None), SpecStats, CostController)
+"""Types that hold no MLX arrays: `materialize` does not look inside them (the per-slot
+telemetry and the cost controller's estimates would cost a walk per step)."""
+
+
 def materialize(obj: object, skip: object = None) -> None:
     """Evaluate every MLX array reachable from `obj` through attributes of engine objects,
     lists, tuples and dicts, not looking inside `skip` (see the module docstring)."""
@@ -101,7 +113,7 @@ def materialize(obj: object, skip: object = None) -> None:
     todo: list[Any] = [obj]
     while todo:
         x = todo.pop()
-        if id(x) in seen:
+        if isinstance(x, HOST_ONLY) or id(x) in seen:
             continue
         seen.add(id(x))
         if isinstance(x, mx.array):
@@ -222,7 +234,10 @@ class Stepper:
         try:
             committed = self.speculator.resolve([_decoding(s) for s in seqs], outputs)
             for seq, c in zip(seqs, committed, strict=True):
-                result.decoded.append((seq, c, _logprobs(c.logits, c.tokens, seq)))
+                # c.logits are there only when the request asked for log-probabilities
+                result.decoded.append(
+                    (seq, c, _logprobs(c.logits, c.tokens, seq) if c.logits else [])
+                )
         except Exception as e:
             result.failed += [(s, _describe(e)) for s in seqs]
 

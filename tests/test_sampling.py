@@ -14,6 +14,7 @@ from engine.sampling import (
     adjust_logits,
     distribution,
     draw,
+    sample,
     top_logprobs,
 )
 
@@ -95,6 +96,39 @@ def test_draws_follow_the_distribution() -> None:
 def test_a_seed_replays_the_same_uniforms() -> None:
     assert np.array_equal(RequestRng(42).uniform(5), RequestRng(42).uniform(5))
     assert RequestRng(None).seed != RequestRng(None).seed
+
+
+MIXED = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.8, top_p=0.9),
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=1.3, top_k=5, min_p=0.02),
+    SamplingParams(temperature=0.7),
+]
+
+
+@pytest.mark.parametrize(
+    "params", [MIXED * 3, [SamplingParams(temperature=0.0)] * 7, MIXED[3:] * 4], ids=str
+)
+def test_sample_gives_the_tokens_of_distribution_and_draw(params: list[SamplingParams]) -> None:
+    """The batched-by-kind path draws exactly what the general one does; greedy rows take
+    no uniform from their generator."""
+    x = logits(len(params), seed=9)
+    got = sample(x, params, [RequestRng(i) for i in range(len(params))])
+    rngs = [RequestRng(i) for i in range(len(params))]
+    u = np.array([0.5 if p.greedy else rngs[i].uniform(1)[0] for i, p in enumerate(params)])
+    want = np.array(draw(distribution(x, params), u))
+    assert got.tolist() == want.tolist()
+    argmax = np.array(mx.argmax(x, axis=-1))
+    assert all(got[i] == argmax[i] for i, p in enumerate(params) if p.greedy)
+
+
+def test_a_sampled_row_draws_the_same_token_whatever_shares_its_batch() -> None:
+    x = logits(len(MIXED), seed=4)
+    for i, p in enumerate(MIXED):
+        alone = sample(x[i : i + 1], [p], [RequestRng(100 + i)])
+        batch = sample(x, MIXED, [RequestRng(100 + j) for j in range(len(MIXED))])
+        assert alone[0] == batch[i]
 
 
 def test_top_logprobs_are_normalised_and_sorted() -> None:

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import anyio
 import pytest
-from serving import RawPeer, Tiny, load_tiny, serve
+from serving import RawPeer, Tiny, load_tiny, new_scheduler, serve
 
 from engine.generate import greedy_tokens
 from transport import protocol as p
 from transport.client import Client, ConnectionLost, RequestError, SyncClient
-from transport.server import Server
+from transport.server import ModelInfo, Server, ServerConfig
 
 
 @pytest.fixture(scope="module")
@@ -105,26 +105,62 @@ async def test_16_clients_with_4_requests_each_stream_their_solo_greedy_outputs(
         assert finished.usage == p.Usage(len(ids), lengths[i])
 
 
+async def greedy_by_hand(address: str, n: int, max_tokens: int) -> list[p.ServerMessage]:
+    """`n` greedy requests (prompts `[i + 1, 2, 3]`) from a bare peer: every message the
+    server sent until each had its terminal."""
+    raw = RawPeer(address)
+    await raw.hello()
+    for rid in range(n):
+        prompt = p.TokenPrompt([rid + 1, 2, 3])
+        raw.send(p.Generate(rid, prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    messages: list[p.ServerMessage] = []
+    while sum(isinstance(m, p.Finished | p.Error) for m in messages) < n:
+        messages.append(await raw.recv())
+    raw.close()
+    return messages
+
+
 async def test_one_steps_tokens_for_a_connection_travel_in_one_deltas_message(
     tiny: Tiny, tmp_path: Path
 ) -> None:
     """Every step makes tokens here (3-token prompts prefill in one step and sample their
     first token), so there is one Deltas message per step, whenever each request started."""
     async with serve(tiny, [endpoint("ipc", tmp_path)]) as (server, (address,)):
-        raw = RawPeer(address)
-        await raw.hello()
-        for rid in range(4):
-            prompt = p.TokenPrompt([rid + 1, 2, 3])
-            raw.send(p.Generate(rid, prompt, max_tokens=12, temperature=0, ignore_eos=True))
-        messages: list[p.ServerMessage] = []
-        while sum(isinstance(m, p.Finished) for m in messages) < 4:
-            messages.append(await raw.recv())
-        raw.close()
+        messages = await greedy_by_hand(address, 4, 12)
         steps = server.stats().steps
     batches = [[d.request_id for d in m.items] for m in messages if isinstance(m, p.Deltas)]
     assert sum(len(b) for b in batches) == 4 * 12
     assert all(len(set(b)) == len(b) for b in batches)
     assert len(batches) == steps < 2 * 12
+
+
+async def test_an_observer_that_raises_costs_no_request_its_tokens_or_its_terminal(
+    tiny: Tiny, tmp_path: Path
+) -> None:
+    """The server relays events from the scheduler's publishing (an event sink per
+    request); a failure of the metrics observer there must not reach the requests."""
+
+    def observer(event: object) -> None:
+        raise RuntimeError("metrics broke")
+
+    scheduler = new_scheduler(tiny)
+    config = ServerConfig(endpoints=(endpoint("ipc", tmp_path),))
+    server = Server(scheduler, ModelInfo.of(scheduler, "tiny"), config, observer=observer)
+    async with scheduler.running(), server.running() as (address,):
+        messages = await greedy_by_hand(address, 3, 6)
+    for rid in range(3):
+        tokens = [
+            t
+            for m in messages
+            if isinstance(m, p.Deltas)
+            for d in m.items
+            for t in d.tokens
+            if d.request_id == rid
+        ]
+        ends = [m for m in messages if isinstance(m, p.Finished) and m.request_id == rid]
+        assert tokens == solo(tiny, (rid + 1, 2, 3), 6)
+        assert len(ends) == 1 and ends[0].reason == p.FinishReason.LENGTH
+    assert not any(isinstance(m, p.Error) for m in messages)
 
 
 async def test_bad_requests_get_specific_errors_and_the_connection_goes_on(

@@ -2,9 +2,11 @@
 
 Per connection (a ZeroMQ routing id that said Hello) the server keeps a session:
 its outstanding requests, an outbox for messages the peer's pipe could not take,
-and the deltas of the current step. Each accepted request gets a task that reads
-the scheduler's handle; a flusher sends, per connection, ONE Deltas message with
-everything a step produced, then any terminal messages.
+and the deltas of the current step. Each accepted request is submitted with an
+event sink (`_relay`) that the scheduler calls as it publishes, so a step's events
+are gathered per session with no task per request; a flusher then sends, per
+connection, ONE Deltas message with everything the step produced, then any terminal
+messages.
 
 Nothing a client sends can crash the server: frames are decoded by type, a bad
 one gets an Error (or is dropped when even that cannot be sent) and is counted.
@@ -30,6 +32,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import anyio
@@ -79,7 +82,7 @@ class ServerConfig:
 class Serves(Protocol):
     """What the server needs of a scheduler (`scheduler.Scheduler` is the one)."""
 
-    def submit(self, request: s.Request) -> s.RequestHandle: ...
+    def submit(self, request: s.Request, sink: s.EventSink | None = None) -> s.RequestHandle: ...
 
     def cancel(self, request_id: str) -> bool: ...
 
@@ -172,7 +175,6 @@ class Server:
             endpoints = [bind(sock, e) for e in cfg.endpoints]
             self._sock, self._monitor = AsyncSocket(sock), AsyncSocket(monitor)
             async with anyio.create_task_group() as tg:
-                self._tg = tg
                 tg.start_soon(self._receive_loop)
                 tg.start_soon(self._watch_disconnects)
                 tg.start_soon(self._flush_loop)
@@ -302,14 +304,14 @@ class Server:
         if error is not None:
             self._send(session, p.encode(error))
             return
+        request = mapping.to_request(msg, f"{session.number}/{rid}")
         try:
-            handle = self.scheduler.submit(mapping.to_request(msg, f"{session.number}/{rid}"))
+            handle = self.scheduler.submit(request, sink=partial(self._relay, session, rid))
         except (s.InvalidRequest, s.Rejected) as e:
             self._send(session, p.encode(mapping.rejection(rid, e)))
             return
         session.requests[rid] = handle
         self._send(session, p.encode(p.Accepted(rid, handle.prompt_tokens)))
-        self._tg.start_soon(self._stream, session, rid, handle)
 
     async def drain(self, timeout_s: float, linger_s: float = 2.0) -> bool:
         """Wait until every accepted request's terminal message has been handed to ZeroMQ
@@ -326,24 +328,27 @@ class Server:
         return False
 
     # -- streaming ----------------------------------------------------------------------------
-    async def _stream(self, session: _Session, rid: int, handle: s.RequestHandle) -> None:
-        """Move one request's events into its session's step batch, until its terminal."""
+    def _relay(self, session: _Session, rid: int, event: s.Event) -> None:
+        """The request's event sink: put its Deltas into its session's step batch and its
+        terminal after them. Should this raise, the scheduler ends the request with an
+        error, whose terminal comes here again (and goes out as an INTERNAL Error)."""
+        if self.observer is not None:
+            try:
+                self.observer(event)
+            except Exception:  # metrics must not cost the request
+                log.exception("session %d request %d: the observer failed", session.number, rid)
+        if isinstance(event, s.Delta):
+            if not session.closed:
+                session.deltas.append(mapping.to_delta(rid, event))
+                self._mark(session)
+            return
         try:
-            async for event in handle:
-                if self.observer is not None:
-                    self.observer(event)
-                if isinstance(event, s.Delta):
-                    if not session.closed:
-                        session.deltas.append(mapping.to_delta(rid, event))
-                        self._mark(session)
-                else:
-                    self._end(session, rid, mapping.to_terminal(rid, event))
-                    return
-        except Exception:  # a bug here must cost this request, not the server
-            log.exception("session %d request %d: relaying its events failed", session.number, rid)
-            handle.cancel()
+            terminal = mapping.to_terminal(rid, event)
+        except Exception:  # a bug here must cost this request, not its terminal
+            log.exception("session %d request %d: relaying its end failed", session.number, rid)
             why = "the server failed to relay this request's output"
-            self._end(session, rid, p.Error(p.ErrorCode.INTERNAL, why, rid))
+            terminal = p.Error(p.ErrorCode.INTERNAL, why, rid)
+        self._end(session, rid, terminal)
 
     def _end(self, session: _Session, rid: int, terminal: p.Finished | p.Error) -> None:
         session.requests.pop(rid, None)
@@ -360,23 +365,24 @@ class Server:
 
     def _mark(self, session: _Session) -> None:
         """Have the flusher send what the session's requests produced."""
-        self._dirty[session] = None
-        self._flush_wanted.set()
+        if session not in self._dirty:
+            self._dirty[session] = None
+            self._flush_wanted.set()
 
     async def _flush_loop(self) -> None:
         while True:
             await self._flush_wanted.wait()
             self._flush_wanted = anyio.Event()
-            # Let every stream task woken by the same step add its delta first.
-            await anyio.lowlevel.checkpoint()
+            # The scheduler publishes a whole step at once, so its events are all here.
             dirty, self._dirty = self._dirty, {}
-            for session in dirty:
-                if session.deltas:
-                    self._send(session, p.encode(p.Deltas(session.deltas)))
-                    session.deltas = []
-                terminals, session.terminals = session.terminals, []
-                for terminal in terminals:
-                    self._send(session, p.encode(terminal))
+            with self._sock.sending():
+                for session in dirty:
+                    if session.deltas:
+                        self._send(session, p.encode(p.Deltas(session.deltas)))
+                        session.deltas = []
+                    terminals, session.terminals = session.terminals, []
+                    for terminal in terminals:
+                        self._send(session, p.encode(terminal))
 
     # -- sending ------------------------------------------------------------------------------
     def _send(self, session: _Session, payload: bytes) -> None:

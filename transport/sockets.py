@@ -10,6 +10,8 @@ receiver itself (as zmq.asyncio does).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ class AsyncSocket:
         self.sock = sock
         self._fd = int(sock.getsockopt(zmq.FD))
         self._waiting: anyio.CancelScope | None = None
+        self._batching = False
 
     async def recv_frames(self) -> list[zmq.Frame]:
         """The next multipart message as frames (their metadata, e.g. zmq.SRCFD, readable)."""
@@ -57,7 +60,18 @@ class AsyncSocket:
 
     def send(self, frames: list[bytes]) -> None:
         self.sock.send_multipart(frames, zmq.NOBLOCK)
-        self._wake_receiver()
+        if not self._batching:
+            self._wake_receiver()
+
+    @contextmanager
+    def sending(self) -> Iterator[None]:
+        """A burst of sends: the receiver is woken once, at the end, not after each."""
+        self._batching = True
+        try:
+            yield
+        finally:
+            self._batching = False
+            self._wake_receiver()
 
     async def _wait_readable(self) -> None:
         with anyio.CancelScope() as scope:

@@ -31,7 +31,7 @@ import numpy as np
 
 from engine.cache import SlotId
 from engine.runner import ModelRunner, Row, RowOutput
-from engine.sampling import RequestRng, SamplingParams, adjust_logits, distribution, draw
+from engine.sampling import RequestRng, SamplingParams, adjust_logits, distribution, sample
 from engine.spec.acceptance import accept
 from engine.spec.controller import MODES, CostController, Offer
 from engine.spec.drafters import Draft, Drafter, DraftJob, MTPDrafter, NgramDrafter
@@ -66,7 +66,8 @@ class Committed:
     """What one slot committed in a step, with what the sampler saw for each token."""
 
     tokens: list[int]
-    logits: list[mx.array] = field(default_factory=list)  # adjusted logits per token, [V]
+    # adjusted logits per token, [V] each; only when the request asks for log-probabilities
+    logits: list[mx.array] = field(default_factory=list)
     drafted: int = 0
     accepted: int = 0
     drafter: str = ""  # "" when the slot did not draft
@@ -102,6 +103,9 @@ class SpecStats:
             self.accepted_at_depth[d] += 1
 
 
+_NO_DRAFT = Draft()  # shared by plain rows; never changed
+
+
 @dataclass
 class _Plan:
     drafter: str
@@ -125,9 +129,7 @@ def sample_rows(
 ) -> tuple[list[int], mx.array]:
     """Sample one token per row of `logits [N, V]`; returns (tokens, adjusted logits)."""
     adjusted = adjust_logits(logits, params, histories)
-    probs = distribution(adjusted, params)
-    uniforms = np.array([rng.uniform(1)[0] for rng in rngs])
-    return [int(t) for t in np.array(draw(probs, uniforms))], adjusted
+    return sample(adjusted, params, rngs).tolist(), adjusted
 
 
 class Speculator:
@@ -195,13 +197,23 @@ class Speculator:
         return self._stats.pop(slot, SpecStats())
 
     def stats(self, slot: SlotId) -> SpecStats:
-        return self._stats.setdefault(slot, SpecStats())
+        stats = self._stats.get(slot)
+        if stats is None:  # (not setdefault: that would build a SpecStats every call)
+            stats = self._stats[slot] = SpecStats()
+        return stats
 
     # -- a step ---------------------------------------------------------------------------
     def plan(self, decoding: Sequence[DecodingSlot]) -> list[Row]:
         """One row per decoding slot, in order: `[pending, *drafts]` at the slot's length."""
         start = time.perf_counter()
         lengths = [self.runner.pool.lengths[d.slot] for d in decoding]
+        if not self.max_draft:  # nothing may draft (and no drafter has begun a slot)
+            rows = []
+            for d, n in zip(decoding, lengths, strict=True):
+                self._plans[d.slot] = _Plan("", _NO_DRAFT, n)
+                rows.append(Row(d.slot, [d.pending], n))
+            self._cycle = (start, len(rows), 0)
+            return rows
         offers = [self._offer(d, n) for d, n in zip(decoding, lengths, strict=True)]
         depths = self.controller.choose(offers)
         drafts: dict[SlotId, tuple[str, Draft]] = {}
@@ -245,6 +257,39 @@ class Speculator:
             return []
         plans = [self._plans.pop(d.slot) for d in decoding]
         ks = [len(p.draft.tokens) for p in plans]
+        if any(ks):
+            committed = self._accept(decoding, plans, outputs, ks)
+        else:
+            committed = self._plain(decoding, plans, outputs)
+        self._observe_cycle(len(decoding))
+        return committed
+
+    # -- internals -------------------------------------------------------------------------
+    def _plain(
+        self, decoding: Sequence[DecodingSlot], plans: list[_Plan], outputs: Sequence[RowOutput]
+    ) -> list[Committed]:
+        """A step without drafts: one token per slot, sampled (`sample`) with no acceptance.
+        The same tokens `_accept` would give for K = 0, at a fraction of its cost."""
+        params = [d.params for d in decoding]
+        histories = [d.history if d.params.penalized else () for d in decoding]
+        logits = _last_logits(outputs)
+        adjusted = adjust_logits(logits, params, histories)
+        tokens = sample(adjusted, params, [d.rng for d in decoding]).tolist()
+        committed = []
+        for i, (d, plan, out, tok) in enumerate(zip(decoding, plans, outputs, tokens, strict=True)):
+            self._commit(d.slot, plan, out, 0, 0)
+            wanted = [adjusted[i]] if d.params.logprobs else []
+            committed.append(Committed([tok], wanted, 0, 0, plan.drafter))
+        return committed
+
+    def _accept(
+        self,
+        decoding: Sequence[DecodingSlot],
+        plans: list[_Plan],
+        outputs: Sequence[RowOutput],
+        ks: list[int],
+    ) -> list[Committed]:
+        """A step where some slots verify drafts: exact acceptance over all of them."""
         params = [d.params for d, k in zip(decoding, ks, strict=True) for _ in range(k + 1)]
         histories = [  # what the penalties count at each verified position
             d.history + p.draft.tokens[:j] if d.params.penalized else []
@@ -273,17 +318,11 @@ class Speculator:
         for d, plan, out, k, a, tok in zip(decoding, plans, outputs, ks, n, nxt, strict=True):
             a = int(a)
             self._commit(d.slot, plan, out, k, a)
+            wanted = [adjusted[offset + j] for j in range(a + 1)] if d.params.logprobs else []
             committed.append(
-                Committed(
-                    [*plan.draft.tokens[:a], int(tok)],
-                    [adjusted[offset + j] for j in range(a + 1)],
-                    k,
-                    a,
-                    plan.drafter,
-                )
+                Committed([*plan.draft.tokens[:a], int(tok)], wanted, k, a, plan.drafter)
             )
             offset += k + 1
-        self._observe_cycle(len(decoding))
         return committed
 
     # -- internals -------------------------------------------------------------------------
@@ -331,6 +370,20 @@ class Speculator:
         self._cycle = None
         if self.runner.last_tokens == tokens:
             self.controller.observe_step(width, depth, time.perf_counter() - start)
+
+
+def _last_logits(outputs: Sequence[RowOutput]) -> mx.array:
+    """`[N, V]`: each output's last logits row — one slice of the step's packed logits when
+    the outputs lie there side by side with one row each (plain decode rows), else gathered."""
+    first = outputs[0].packed
+    if first is not None:
+        packed, at = first[0], first[2]
+        if all(
+            o.packed is not None and o.packed[0] is packed and o.packed[2:] == (at + i, 1)
+            for i, o in enumerate(outputs)
+        ):
+            return packed[at : at + len(outputs)]
+    return mx.concatenate([o.logits[-1:] for o in outputs])
 
 
 def _per_slot(rows: mx.array, ks: list[int]) -> mx.array:

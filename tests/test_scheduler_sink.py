@@ -1,0 +1,162 @@
+"""Event sinks (`Scheduler.submit(request, sink=...)`) on a real tiny model: the same events
+as a handle, in order, exactly one terminal, and a sink that fails costs only its request."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import pytest
+from serving import Tiny, load_tiny, new_scheduler
+
+from engine.sampling import SamplingParams
+from scheduler import Delta, Event, Finished, FinishReason, Request, SchedulerConfig
+
+GREEDY = SamplingParams(temperature=0.0)
+SAMPLED = SamplingParams(temperature=0.9, top_p=0.95, seed=3, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def tiny(make_model: Callable[..., Path]) -> Tiny:
+    return load_tiny(make_model("tiny"))
+
+
+class Recorder:
+    """A sink that keeps what it gets and notes the threads it is called on; it raises on
+    its `fail_at`-th call (from 0), or on the Finished with `fail_on_end`."""
+
+    def __init__(self, fail_at: int | None = None, fail_on_end: bool = False) -> None:
+        self.events: list[Event] = []
+        self.threads: set[int] = set()
+        self.fail_at, self.fail_on_end = fail_at, fail_on_end
+        self.calls = 0
+
+    def __call__(self, event: Event) -> None:
+        self.calls += 1
+        self.threads.add(threading.get_ident())
+        if self.calls - 1 == self.fail_at or (self.fail_on_end and isinstance(event, Finished)):
+            raise RuntimeError("sink broke")
+        self.events.append(event)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for e in self.events if isinstance(e, Delta) for t in e.token_ids]
+
+    @property
+    def terminals(self) -> list[Finished]:
+        return [e for e in self.events if isinstance(e, Finished)]
+
+    async def wait(self, timeout: float = 30.0) -> Finished:
+        with anyio.fail_after(timeout):
+            while not self.terminals:
+                await anyio.sleep(0.005)
+        return self.terminals[0]
+
+
+def requests(n: int) -> list[Request]:
+    return [
+        Request(
+            prompt=[5 + i, 17, 3 * i + 1, 9],
+            sampling=SAMPLED if i % 2 else GREEDY,
+            max_tokens=12 + i,
+            ignore_eos=True,
+            request_id=f"r{i}",
+        )
+        for i in range(n)
+    ]
+
+
+def well_formed(rec: Recorder) -> Finished:
+    """Deltas, then exactly one Finished, last."""
+    assert rec.events and isinstance(rec.events[-1], Finished)
+    assert all(isinstance(e, Delta) for e in rec.events[:-1])
+    return rec.events[-1]
+
+
+async def test_a_sink_gets_the_handles_events_in_order_on_the_event_loop(tiny: Tiny) -> None:
+    reqs = requests(6)
+    scheduler = new_scheduler(tiny, n_slots=3)  # 6 requests on 3 slots: some wait
+    async with scheduler.running():
+        handles = [await scheduler.submit(r).collect() for r in reqs]  # one by one
+    scheduler = new_scheduler(tiny, n_slots=3)
+    sinks = [Recorder() for _ in reqs]
+    async with scheduler.running():
+        for r, rec in zip(reqs, sinks, strict=True):
+            scheduler.submit(r, sink=rec)
+        for rec in sinks:
+            await rec.wait()
+        loop_thread = threading.get_ident()
+    for rec, done in zip(sinks, handles, strict=True):
+        final = well_formed(rec)
+        assert rec.tokens == done.token_ids
+        assert "".join(e.text for e in rec.events if isinstance(e, Delta)) == done.text
+        lps = [lp for e in rec.events if isinstance(e, Delta) for lp in e.logprobs]
+        assert [lp.token for lp in lps] == [lp.token for lp in done.logprobs]
+        assert final.reason == done.finished.reason == FinishReason.LENGTH
+        assert rec.threads == {loop_thread}
+        assert len([e for e in rec.events if isinstance(e, Delta)]) > 1  # across steps
+
+
+async def test_a_failing_sink_ends_only_its_request_with_one_error_terminal(tiny: Tiny) -> None:
+    reqs = requests(4)
+    scheduler = new_scheduler(tiny, n_slots=4)
+    broken = Recorder(fail_at=2)  # raises on its third Delta
+    others = [Recorder() for _ in reqs[1:]]
+    async with scheduler.running():
+        handle = scheduler.submit(reqs[0], sink=broken)
+        for r, rec in zip(reqs[1:], others, strict=True):
+            scheduler.submit(r, sink=rec)
+        final = await broken.wait()
+        for rec in others:
+            await rec.wait()
+        assert not handle.cancel()  # it has ended
+        stats = scheduler.stats()
+    assert well_formed(broken) is final and len(broken.terminals) == 1
+    assert final.reason == FinishReason.ERROR and "sink broke" in (final.error or "")
+    assert broken.calls == 4  # two Deltas, the failing one, the Finished; nothing after
+    for r, rec in zip(reqs[1:], others, strict=True):
+        assert well_formed(rec).reason == FinishReason.LENGTH
+        assert len(rec.tokens) == r.max_tokens
+    assert stats.finished[FinishReason.ERROR] == 1 and stats.running == 0
+
+
+async def test_a_sink_that_fails_on_its_terminal_harms_nothing_else(tiny: Tiny) -> None:
+    scheduler = new_scheduler(tiny, n_slots=2)
+    reqs = requests(2)
+    broken, fine = Recorder(fail_on_end=True), Recorder()
+    async with scheduler.running():
+        scheduler.submit(reqs[0], sink=broken)
+        scheduler.submit(reqs[1], sink=fine)
+        await fine.wait()
+        with anyio.fail_after(10):
+            while scheduler.stats().running:
+                await anyio.sleep(0.005)
+        stats = scheduler.stats()
+        after = await scheduler.submit(reqs[1]).collect()  # the loop serves on
+    assert len(broken.tokens) == reqs[0].max_tokens and not broken.terminals
+    assert broken.calls == len(broken.events) + 1  # the Finished came, once, and raised
+    assert stats.finished[FinishReason.LENGTH] == 2
+    assert well_formed(fine).reason == FinishReason.LENGTH
+    assert after.token_ids == fine.tokens
+
+
+async def test_cancel_and_shutdown_give_each_sink_exactly_one_terminal(tiny: Tiny) -> None:
+    scheduler = new_scheduler(tiny, 2, config=SchedulerConfig(shutdown_grace_s=0.0))
+    sinks = [Recorder() for _ in range(5)]
+    long = Request(prompt=[1, 2, 3], max_tokens=150, ignore_eos=True)
+    async with scheduler.running():
+        handles = [scheduler.submit(long, sink=rec) for rec in sinks]  # two run, three wait
+        with anyio.fail_after(10):
+            while not sinks[0].tokens:
+                await anyio.sleep(0.005)
+        assert handles[0].cancel() and handles[4].cancel()  # one running, one waiting
+        assert not handles[0].cancel()
+        with pytest.raises(RuntimeError, match="sink"):
+            async for _ in handles[1]:
+                pass
+    reasons = [well_formed(rec).reason for rec in sinks]
+    assert [len(rec.terminals) for rec in sinks] == [1] * 5
+    assert reasons[0] == reasons[4] == FinishReason.CANCELLED
+    assert reasons[1:4] == [FinishReason.SHUTDOWN] * 3
