@@ -20,7 +20,7 @@ import mlx.nn as nn
 
 from engine.gated_delta import gated_delta
 from engine.gguf import GGUFFile, ModelConfig, QuantizedWeight, Weight
-from engine.kernels import gdn_mixer_cuda
+from engine.kernels import attention_cuda, gdn_mixer_cuda
 
 # ----------------------------------------------------------------------------------------------
 # Batch layout and per-row state crossing the model boundary
@@ -282,6 +282,7 @@ class Attention:
     def __init__(self, ld: Loader, prefix: str, cfg: ModelConfig, freqs: mx.array) -> None:
         E, H, Hkv, D = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim
         self.cfg = cfg
+        self.omega = freqs
         # mx.fast.rope takes wavelengths 1/omega; unrotated pairs (omega = 0) get infinity
         self.wavelengths = mx.where(freqs > 0, 1.0 / freqs, mx.inf)
         self.qkv = Projection(
@@ -313,6 +314,28 @@ class Attention:
     ) -> tuple[mx.array, AttentionState]:
         cfg = self.cfg
         H, Hkv, D, eps = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps
+        if attention_cuda.enabled() and D % 32 == 0:
+            past_k, past_v = state.k, state.v
+            if not past_k.shape[1]:  # the kernel reads no past here, but takes no empty array
+                past_k = past_v = mx.zeros((layout.rows, 1, Hkv, D), dtype=state.k.dtype)
+            out, k_new, v_new = attention_cuda.attention_cuda(
+                self.qkv.joined(x),
+                layout.pad_index,
+                layout.pack_index,
+                layout.row_starts,
+                layout.row_lengths,
+                past_k,
+                past_v,
+                self.q_norm,
+                self.k_norm,
+                self.omega,
+                n_heads=H,
+                n_kv_heads=Hkv,
+                rope_dim=cfg.rope_dim,
+                eps=eps,
+            )
+            new = AttentionState(layout.to_padded(k_new), layout.to_padded(v_new))
+            return matmul(out, self.wo), new
         qg, k, v = (layout.to_padded(y) for y in self.qkv(x))
         B, T, _ = qg.shape
         qg = qg.reshape(B, T, H, 2, D)

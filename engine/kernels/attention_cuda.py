@@ -1,0 +1,250 @@
+"""Gated full attention between the two projections as TWO CUDA kernels.
+
+The portable path (`engine.models.qwen35.Attention`) runs some twenty MLX
+operations per layer between the fused q/k/v projection and the output
+projection: splits and copies, the q and k RMSNorms, two ropes, transposes,
+the append of the new keys to the past, the attention itself (MLX's fused
+attention takes no per-row mask on CUDA, so it falls back to separate matmuls
+and a softmax), the sigmoid gate and the gathers between the packed and padded
+views of the batch. On MLX's CUDA backend each costs a fixed launch overhead
+that dwarfs its work at small batch, so here:
+
+1. `prepare`: one warp per (packed token, head) reads the projection as it is,
+   normalises and rotates the token's query and key heads, and writes queries
+   (model dtype) and the new keys and values (the pool's dtype: attention reads
+   exactly what the pool will store, as on the portable path);
+2. `attend`: a block per (row, position, query head) attends to the row's past
+   keys below its start and the row's new keys up to its own position (online
+   softmax over warps), applies the sigmoid gate and writes the packed input of
+   the output projection.
+
+Numerics: f32 arithmetic throughout; tests compare with the portable path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import mlx.core as mx
+
+from engine.kernels.gated_delta_cuda import available
+
+_PREPARE = """
+    constexpr int PER = D / 32;
+    constexpr int HALF = ROPE_DIM / 2;
+    const int lane = threadIdx.x & 31;
+    const int unit = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (unit >= proj_shape[0] * (H + HKV)) return;
+    const int n = unit / (H + HKV);
+    const int head = unit % (H + HKV);
+    const bool is_q = head < H;
+    const int kvh = head - H;
+    const int col = is_q ? head * 2 * D : 2 * H * D + kvh * D;
+    const int T = pad_index_shape[1];
+    const int b = pack_index[n] / T;
+    const int pos = row_starts[b] + pack_index[n] % T;
+    __shared__ float buf[(BLOCK / 32) * D];
+    float* y = buf + (threadIdx.x >> 5) * D;
+
+    float x[PER];
+    float ss = 0.0f;
+    #pragma unroll
+    for (int e = 0; e < PER; ++e) {
+        x[e] = static_cast<float>(proj[long(n) * W + col + lane + 32 * e]);
+        ss += x[e] * x[e];
+    }
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, off);
+    const float inv = rsqrtf(ss / D + EPS);
+    const float* w = is_q ? q_norm : k_norm;
+    #pragma unroll
+    for (int e = 0; e < PER; ++e) y[lane + 32 * e] = x[e] * inv * w[lane + 32 * e];
+    __syncwarp();
+    #pragma unroll
+    for (int e = 0; e < PER; ++e) {
+        const int j = lane + 32 * e;
+        float r = y[j];
+        if (j < ROPE_DIM) {
+            const int i = j < HALF ? j : j - HALF;
+            float sn, cs;
+            sincosf(float(pos) * omega[i], &sn, &cs);
+            r = j < HALF ? y[j] * cs - y[j + HALF] * sn : y[j] * cs + y[i] * sn;
+        }
+        if (is_q) {
+            q_out[(long(n) * H + head) * D + j] = static_cast<OUT_T>(r);
+        } else {
+            k_out[(long(n) * HKV + kvh) * D + j] = static_cast<KV_T>(r);
+            v_out[(long(n) * HKV + kvh) * D + j] =
+                static_cast<KV_T>(proj[long(n) * W + 2 * H * D + HKV * D + kvh * D + j]);
+        }
+    }
+"""
+
+_ATTEND = """
+    constexpr int PER = D / 32;
+    constexpr int NW = BLOCK / 32;
+    const int lane = threadIdx.x & 31;
+    const int w = threadIdx.x >> 5;
+    const int T = pad_index_shape[1];
+    const int S = k_past_shape[1];
+    const int h = blockIdx.x % H;
+    const int t = (blockIdx.x / H) % T;
+    const int b = blockIdx.x / (H * T);
+    if (t >= row_lengths[b]) return;  // padding: no packed token to write
+    const int kvh = h / (H / HKV);
+    const int start = row_starts[b];
+    const long n = pad_index[b * T + t];
+    __shared__ float part_m[NW], part_l[NW];
+    __shared__ float part_o[NW][D];
+
+    float q[PER], o[PER];
+    #pragma unroll
+    for (int e = 0; e < PER; ++e) {
+        q[e] = static_cast<float>(q_in[(n * H + h) * D + lane + 32 * e]) * SCALE;
+        o[e] = 0.0f;
+    }
+    float m = -1e30f, l = 0.0f;
+    for (int j = w; j <= start + t; j += NW) {
+        const long at = j < start ? ((long(b) * S + j) * HKV + kvh) * D
+                                  : (long(pad_index[b * T + j - start]) * HKV + kvh) * D;
+        const auto* ks = j < start ? k_past : k_new;
+        const auto* vs = j < start ? v_past : v_new;
+        float s = 0.0f;
+        #pragma unroll
+        for (int e = 0; e < PER; ++e) s += q[e] * static_cast<float>(ks[at + lane + 32 * e]);
+        #pragma unroll
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
+        const float m2 = fmaxf(m, s);
+        const float keep = expf(m - m2), p = expf(s - m2);
+        l = l * keep + p;
+        #pragma unroll
+        for (int e = 0; e < PER; ++e)
+            o[e] = o[e] * keep + p * static_cast<float>(vs[at + lane + 32 * e]);
+        m = m2;
+    }
+    if (lane == 0) { part_m[w] = m; part_l[w] = l; }
+    #pragma unroll
+    for (int e = 0; e < PER; ++e) part_o[w][lane + 32 * e] = o[e];
+    __syncthreads();
+    float mm = -1e30f;
+    #pragma unroll
+    for (int i = 0; i < NW; ++i) mm = fmaxf(mm, part_m[i]);
+    float ll = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < NW; ++i) ll += part_l[i] * expf(part_m[i] - mm);
+    for (int d = threadIdx.x; d < D; d += BLOCK) {
+        float acc = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < NW; ++i) acc += part_o[i][d] * expf(part_m[i] - mm);
+        const float g = static_cast<float>(proj[n * W + h * 2 * D + D + d]);
+        out[(n * H + h) * D + d] = static_cast<OUT_T>(acc / ll / (1.0f + expf(-g)));
+    }
+"""
+
+_kernels: dict[str, Any] = {}
+
+
+def enabled() -> bool:
+    """On MLX's CUDA backend, unless SLOTSERVE_FUSED_ATTENTION=0 asks for the portable ops."""
+    return available() and os.environ.get("SLOTSERVE_FUSED_ATTENTION", "1") != "0"
+
+
+def _kernel(name: str, inputs: list[str], outputs: list[str], source: str) -> Any:
+    """The kernel compiled for `name` (a source variant: floats are baked into the source)."""
+    k = _kernels.get(name)
+    if k is None:
+        k = _kernels[name] = mx.fast.cuda_kernel(
+            name=f"slotserve_attention_{len(_kernels)}",
+            input_names=inputs,
+            output_names=outputs,
+            source=source,
+        )
+    return k
+
+
+def attention_cuda(
+    proj: mx.array,
+    pad_index: mx.array,
+    pack_index: mx.array,
+    row_starts: mx.array,
+    row_lengths: mx.array,
+    k_past: mx.array,
+    v_past: mx.array,
+    q_norm: mx.array,
+    k_norm: mx.array,
+    omega: mx.array,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    rope_dim: int,
+    eps: float,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """One attention layer's core for a batch of rows, packed in and packed out.
+
+    `proj` `[N, W]`: the packed output of the fused projection, columns
+    `[per head (q D | gate D) x H | k Hkv*D | v Hkv*D]`; the `Layout` arrays of the
+    batch; `k_past`, `v_past` `[B, S, Hkv, D]` (S >= 1; row b's first
+    `row_starts[b]` entries are read); the q/k norm weights; `omega` `[rope_dim/2]`,
+    the angular frequency of each rotary pair (0: unrotated).
+    Returns the gated attention output `[N, H*D]` in `proj`'s dtype and the new
+    keys and values `[N, Hkv, D]` in the past's dtype (what the pool stores).
+    """
+    N, W = proj.shape
+    B, S, Hkv, D = k_past.shape
+    if D % 32 or Hkv != n_kv_heads or n_heads % n_kv_heads or S < 1:
+        raise ValueError(f"attention_cuda: unsupported shapes past={k_past.shape} H={n_heads}")
+    T = pad_index.shape[1]
+    f32, kv_dtype = mx.float32, k_past.dtype
+    common = [("OUT_T", proj.dtype), ("KV_T", kv_dtype), ("H", n_heads), ("HKV", Hkv)]
+    common += [("D", D), ("W", W)]
+    prepare = _kernel(
+        f"prepare_{eps!r}",
+        ["proj", "pad_index", "pack_index", "row_starts", "q_norm", "k_norm", "omega"],
+        ["q_out", "k_out", "v_out"],
+        f"    constexpr float EPS = {eps!r}f;\n" + _PREPARE,
+    )
+    units, per_block = N * (n_heads + Hkv), 4
+    q, k, v = prepare(
+        inputs=[
+            proj,
+            pad_index,
+            pack_index,
+            row_starts,
+            q_norm.astype(f32),
+            k_norm.astype(f32),
+            omega.astype(f32),
+        ],
+        template=[*common, ("ROPE_DIM", rope_dim), ("BLOCK", 32 * per_block)],
+        grid=(-(-units // per_block) * 32 * per_block, 1, 1),
+        threadgroup=(32 * per_block, 1, 1),
+        output_shapes=[(N, n_heads, D), (N, Hkv, D), (N, Hkv, D)],
+        output_dtypes=[proj.dtype, kv_dtype, kv_dtype],
+    )
+    scale = 1.0 / float(D) ** 0.5
+    attend = _kernel(
+        f"attend_{scale!r}",
+        [
+            "proj",
+            "q_in",
+            "k_new",
+            "v_new",
+            "k_past",
+            "v_past",
+            "pad_index",
+            "row_starts",
+            "row_lengths",
+        ],
+        ["out"],
+        f"    constexpr float SCALE = {scale!r}f;\n" + _ATTEND,
+    )
+    block = 128
+    (out,) = attend(
+        inputs=[proj, q, k, v, k_past, v_past, pad_index, row_starts, row_lengths],
+        template=[*common, ("BLOCK", block)],
+        grid=(B * T * n_heads * block, 1, 1),
+        threadgroup=(block, 1, 1),
+        output_shapes=[(N, n_heads * D)],
+        output_dtypes=[proj.dtype],
+    )
+    return out, k, v
