@@ -14,7 +14,10 @@ backend, MLX's built-in op elsewhere (stepwise when capturing).
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
+import numpy as np
 
 from engine.kernels import gated_delta_cuda
 
@@ -85,6 +88,19 @@ CHUNK = 64
 """Tokens per chunk of the chunked form: the intra-chunk work is `CHUNK x CHUNK` matmuls."""
 
 
+@functools.cache
+def _doubling_masks(C: int) -> tuple[mx.array, ...]:
+    """Per level s = 1, 2, 4, ...: 1.0 on the lower-left s-block of each 2s-block."""
+    i, j = np.arange(C)[:, None], np.arange(C)[None, :]
+    masks = []
+    s = 1
+    while s < C:
+        block = ((i // s) % 2 == 1) & ((j // s) % 2 == 0) & (i // (2 * s) == j // (2 * s))
+        masks.append(mx.array(block.astype(np.float32)))
+        s *= 2
+    return tuple(masks)
+
+
 def unit_lower_inverse(a: mx.array) -> mx.array:
     """`(I + A)^-1` for strictly lower-triangular `a [..., C, C]`, C a power of two.
 
@@ -97,14 +113,9 @@ def unit_lower_inverse(a: mx.array) -> mx.array:
     C = a.shape[-1]
     if C & (C - 1):
         raise ValueError(f"chunk size {C} is not a power of two")
-    i = mx.arange(C)[:, None]
-    j = mx.arange(C)[None, :]
-    w = mx.broadcast_to(mx.eye(C, dtype=a.dtype), a.shape)
-    s = 1
-    while s < C:
-        block = ((i // s) % 2 == 1) & ((j // s) % 2 == 0) & (i // (2 * s) == j // (2 * s))
+    w = mx.eye(C, dtype=a.dtype)
+    for block in _doubling_masks(C):
         w = w - w @ (a * block) @ w
-        s *= 2
     return w
 
 
@@ -157,11 +168,16 @@ def gated_delta_chunked(
     G_last = G[..., -1:]
     kd = k * mx.exp(G_last - G)[..., None]
     chunk_decay = mx.exp(G_last)[..., None]  # [B, Hv, N, 1, 1]
-    S = state.astype(f32).swapaxes(-1, -2)  # [B, Hv, dk, dv]
+    S = state.astype(f32).swapaxes(-1, -2)[:, :, None]  # [B, Hv, 1, dk, dv], as a chunk
     outs = []
-    for n in range(N):
-        v_eff = u[:, :, n] - p[:, :, n] @ S
-        outs.append(qg[:, :, n] @ S + inner[:, :, n] @ v_eff)
-        S = chunk_decay[:, :, n] * S + kd[:, :, n].swapaxes(-1, -2) @ v_eff
-    o = mx.stack(outs, axis=2).reshape(B, Hv, N * C, dv)[:, :, :T].transpose(0, 2, 1, 3)
-    return o, S.swapaxes(-1, -2)
+    # One split per operand, not a slice per chunk: the gradient is one concatenation.
+    per_chunk = zip(
+        *(mx.split(x, N, axis=2) for x in (u, p, qg, inner, kd.swapaxes(-1, -2), chunk_decay)),
+        strict=True,
+    )
+    for u_n, p_n, qg_n, inner_n, kd_t, decay_n in per_chunk:
+        v_eff = u_n - p_n @ S
+        outs.append(qg_n @ S + inner_n @ v_eff)
+        S = decay_n * S + kd_t @ v_eff
+    o = mx.concatenate(outs, axis=2).reshape(B, Hv, N * C, dv)[:, :, :T].transpose(0, 2, 1, 3)
+    return o, S[:, :, 0].swapaxes(-1, -2)

@@ -23,7 +23,7 @@ from engine.models.qwen35 import load_model
 from engine.runner import DraftRow, Row
 from tools.demo_model.data import load_ids
 from tools.demo_model.export import export, smoke
-from tools.demo_model.model import Forward, Hyper
+from tools.demo_model.model import Forward, Hyper, causal_attention, plain_causal_attention
 from tools.demo_model.train import load_weights
 
 TOL = 1e-4
@@ -125,3 +125,13 @@ def test_export_refuses_weights_packed_with_another_vocabulary(
     (other / "run.json").write_text(json.dumps(info))
     with pytest.raises(ValueError, match="vocabulary"):
         export(other, tmp_path / "x.gguf")
+
+
+def test_plain_attention_fallback_equals_the_fused_kernel() -> None:
+    """What `train` falls back to where the fused kernel cannot be differentiated."""
+    rng = np.random.default_rng(0)
+    q = mx.array(rng.standard_normal((2, 4, 20, 16)).astype(np.float32))
+    k = mx.array(rng.standard_normal((2, 2, 20, 16)).astype(np.float32))
+    v = mx.array(rng.standard_normal((2, 2, 20, 16)).astype(np.float32))
+    fused = np.array(causal_attention(q, k, v, 0.25))
+    assert rel_err(np.array(plain_causal_attention(q, k, v, 0.25)), fused) <= 1e-5

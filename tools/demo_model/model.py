@@ -137,10 +137,17 @@ def to_gguf_weights(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 class Forward:
-    """The forward over `[B, T]` token windows, matmuls in `dtype`, everything else float32."""
+    """The forward over `[B, T]` token windows, matmuls in `dtype`, everything else float32.
 
-    def __init__(self, h: Hyper, dtype: mx.Dtype = mx.float32) -> None:
-        self.h, self.dtype = h, dtype
+    `fused_attention` uses `mx.fast.scaled_dot_product_attention`; without it, attention is
+    spelled out in plain ops (same math), for a backend that cannot differentiate the fused
+    kernel (`train` checks at start).
+    """
+
+    def __init__(
+        self, h: Hyper, dtype: mx.Dtype = mx.float32, fused_attention: bool = True
+    ) -> None:
+        self.h, self.dtype, self.fused_attention = h, dtype, fused_attention
 
     def linear(self, x: mx.array, w: mx.array) -> mx.array:
         return x.astype(self.dtype) @ w.astype(self.dtype).T
@@ -182,9 +189,8 @@ class Forward:
 
         q = rope(self.norm(q, p[pre + "attn_q_norm.weight"])).astype(self.dtype)
         k = rope(self.norm(k, p[pre + "attn_k_norm.weight"])).astype(self.dtype)
-        o = mx.fast.scaled_dot_product_attention(
-            q, k, v.transpose(0, 2, 1, 3), scale=1.0 / math.sqrt(D), mask="causal"
-        )
+        attend = causal_attention if self.fused_attention else plain_causal_attention
+        o = attend(q, k, v.transpose(0, 2, 1, 3), 1.0 / math.sqrt(D))
         o = o.transpose(0, 2, 1, 3) * mx.sigmoid(gate)
         return self.linear(o.reshape(B, T, H * D), p[pre + "attn_output.weight"])
 
@@ -237,6 +243,35 @@ class Forward:
         draft = self.mtp(p, hidden, targets)
         mtp = nn.losses.cross_entropy(self.logits(p, draft), after, reduction="mean")
         return main, mtp
+
+
+def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """q `[B, H, T, D]`, k and v `[B, Hkv, T, D]` -> `[B, H, T, D]`."""
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
+
+
+def plain_causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    """`causal_attention` in plain ops (softmax in float32)."""
+    r = q.shape[1] // k.shape[1]
+    k, v = mx.repeat(k, r, axis=1), mx.repeat(v, r, axis=1)  # query head h reads KV head h // r
+    T = q.shape[2]
+    scores = (q @ k.swapaxes(-1, -2)).astype(mx.float32) * scale
+    causal = mx.arange(T)[:, None] >= mx.arange(T)[None, :]
+    weights = mx.softmax(mx.where(causal, scores, -mx.inf), axis=-1)
+    return weights.astype(v.dtype) @ v
+
+
+def fused_attention_trains(h: Hyper, dtype: mx.Dtype) -> bool:
+    """Whether this backend differentiates the fused attention kernel at these shapes."""
+    q = mx.random.normal((1, h.n_head, 128, h.head_dim)).astype(dtype)
+    kv = mx.random.normal((1, h.n_head_kv, 128, h.head_dim)).astype(dtype)
+    try:
+        grad = mx.grad(lambda q: causal_attention(q, kv, kv, 0.125).astype(mx.float32).sum())
+        mx.eval(grad(q))
+    except Exception as e:  # any failure: fall back to the plain form
+        print(f"train: fused attention cannot train here ({type(e).__name__}: {e}); plain ops")
+        return False
+    return True
 
 
 def l2_normalize(x: mx.array, eps: float) -> mx.array:

@@ -39,15 +39,17 @@ def held_out_perplexity(model: Model, ids: np.ndarray, window: int, n_windows: i
 
 
 def prompts_from(ids: np.ndarray, n: int, length: int, eot: int) -> list[list[int]]:
-    """`n` held-out prompts of `length` tokens, evenly spaced, none crossing a file end."""
+    """`n` held-out prompts of `length` tokens spread over the split, none crossing a file
+    end (a window that would starts again after the file's last token)."""
     out: list[list[int]] = []
-    step = max(1, (ids.size - length) // max(1, 4 * n))
-    for start in range(0, ids.size - length, step):
-        chunk = ids[start : start + length]
-        if eot not in chunk:
-            out.append([int(t) for t in chunk])
-        if len(out) == n:
-            break
+    for i in range(n):
+        start = i * (ids.size - length) // n
+        while start + length <= ids.size:
+            ends = np.flatnonzero(ids[start : start + length] == eot)
+            if not ends.size:
+                out.append([int(t) for t in ids[start : start + length]])
+                break
+            start += int(ends[-1]) + 1
     return out
 
 

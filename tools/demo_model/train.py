@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from tools.demo_model.config import Recipe
-from tools.demo_model.model import Forward, Hyper, Params, init_params
+from tools.demo_model.model import Forward, Hyper, Params, fused_attention_trains, init_params
 
 BETAS = (0.9, 0.95)
 ADAM_EPS = 1e-8
@@ -176,7 +176,8 @@ def train(
     hyper = Hyper.from_spec(recipe.spec)
     if int(train_ids.max()) >= hyper.vocab_size:
         raise ValueError(f"{ids_path}: ids reach {train_ids.max()}, vocab is {hyper.vocab_size}")
-    fwd = Forward(hyper, getattr(mx, recipe.dtype))
+    dtype = getattr(mx, recipe.dtype)
+    fwd = Forward(hyper, dtype, fused_attention=fused_attention_trains(hyper, dtype))
     params = init_params(hyper, recipe.seed)
     m = {k: mx.zeros_like(w) for k, w in params.items()}
     v = {k: mx.zeros_like(w) for k, w in params.items()}
@@ -190,6 +191,7 @@ def train(
         "params": sum(w.size for w in params.values()),
         "device": str(mx.default_device()),
         "mlx": getattr(mx, "__version__", "?"),
+        "fused_attention": fwd.fused_attention,
         "time_limit_s": time_limit_s,
         "evals": [],
         "rollbacks": 0,
