@@ -135,3 +135,24 @@ def test_plain_attention_fallback_equals_the_fused_kernel() -> None:
     v = mx.array(rng.standard_normal((2, 2, 20, 16)).astype(np.float32))
     fused = np.array(causal_attention(q, k, v, 0.25))
     assert rel_err(np.array(plain_causal_attention(q, k, v, 0.25)), fused) <= 1e-5
+
+
+def test_the_eager_step_is_the_compiled_step(run: dict[str, Any]) -> None:
+    """`--no-compile` (what the CUDA backend needs: its JIT of the compiled gradient took
+    longer than the whole time budget) trains the same math."""
+    from tools.demo_model.config import RECIPES
+    from tools.demo_model.train import make_step
+
+    fwd, params = training_forward(run)
+    window = mx.array([held_out_window(run, 34)])
+    zeros = {k: mx.zeros_like(w) for k, w in params.items()}
+    t, lr = mx.array(1.0), mx.array(1e-3)
+    outs = [
+        make_step(fwd, RECIPES["smoke"], compile)(params, zeros, zeros, t, lr, window)
+        for compile in (True, False)
+    ]
+    (p1, _, _, main1, mtp1), (p2, _, _, main2, mtp2) = outs
+    assert abs(float(main1) - float(main2)) <= 1e-5 * abs(float(main2))
+    assert abs(float(mtp1) - float(mtp2)) <= 1e-5 * abs(float(mtp2))
+    for name, w in p2.items():
+        assert float(mx.abs(p1[name] - w).max()) <= 1e-5 * max(float(mx.abs(w).max()), 1.0)

@@ -74,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--warmup", type=int, default=None)
     t.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     t.add_argument("--seed", type=int, default=None)
+    t.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="mx.compile the step (--no-compile on CUDA: its JIT took 337 s for step 1)",
+    )
 
     e = sub.add_parser("export", help="RUN/weights-*.npz -> GGUF with its tokenizer")
     e.add_argument("--run", type=Path, default=RUN)
@@ -106,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         from tools.demo_model.train import train
 
         train(recipe_from(args), args.ids, args.run, args.time_limit, args.checkpoint_s,
-              args.eval_s, args.save_dtype)  # fmt: skip
+              args.eval_s, args.save_dtype, compile=args.compile)  # fmt: skip
     elif args.cmd == "export":
         from tools.demo_model.export import export
 

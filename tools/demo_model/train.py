@@ -51,20 +51,23 @@ def learning_rate(r: Recipe, step: int, progress: float) -> float:
     return r.lr * warm * (r.min_lr_ratio + (1.0 - r.min_lr_ratio) * cosine)
 
 
-def make_step(fwd: Forward, r: Recipe) -> Callable[..., Any]:
+def make_step(fwd: Forward, r: Recipe, compile: bool = True) -> Callable[..., Any]:
     """The update: (params, m, v, t, lr, windows) -> (params, m, v, main loss, MTP loss).
 
     Gradients and the AdamW update are two compiled functions: compiled as one, MLX took
-    ~100x longer to compile them (minutes on CPU) for no faster step.
+    ~100x longer to compile them (minutes on CPU) for no faster step. `compile=False` runs
+    both eagerly: on MLX's CUDA backend the compiled gradient's first step took 337 s
+    (its fused kernels are JIT-compiled one by one), more than a whole 300 s budget.
     """
+    jit: Callable[[Any], Any] = mx.compile if compile else (lambda f: f)
 
     def objective(p: Params, window: mx.array) -> tuple[mx.array, tuple[mx.array, mx.array]]:
         main, mtp = fwd.losses(p, window)
         return main + r.mtp_weight * mtp, (main, mtp)
 
-    grad_fn = mx.compile(mx.value_and_grad(objective))
+    grad_fn = jit(mx.value_and_grad(objective))
 
-    @mx.compile
+    @jit
     def adamw(
         p: Params, m: Params, v: Params, grads: Params, t: mx.array, lr: mx.array
     ) -> tuple[Params, Params, Params]:
@@ -103,14 +106,14 @@ def sample_windows(ids: np.ndarray, batch: int, length: int, rng: np.random.Gene
 class HeldOut:
     """Mean (main, MTP) loss over `EVAL_WINDOWS` fixed windows of the held-out ids."""
 
-    def __init__(self, fwd: Forward, ids: np.ndarray, r: Recipe) -> None:
+    def __init__(self, fwd: Forward, ids: np.ndarray, r: Recipe, compile: bool = True) -> None:
         length = min(r.seq_len, ids.size - 3) + 2
         rng = np.random.default_rng(1234)
         n = max(1, EVAL_WINDOWS // r.batch)
         self.batches = [
             sample_windows(ids, min(r.batch, EVAL_WINDOWS), length, rng) for _ in range(n)
         ]
-        self.losses = mx.compile(fwd.losses)
+        self.losses = mx.compile(fwd.losses) if compile else fwd.losses
 
     def __call__(self, p: Params) -> tuple[float, float]:
         total = [self.losses(p, w) for w in self.batches]
@@ -162,6 +165,7 @@ def train(
     eval_s: float = 30.0,
     save_dtype: str = "float16",
     log_every: int = 10,
+    compile: bool = True,
 ) -> Progress:
     """Train `recipe` on the packed ids at `ids_path`; write weights and logs under `out`.
 
@@ -181,8 +185,8 @@ def train(
     params = init_params(hyper, recipe.seed)
     m = {k: mx.zeros_like(w) for k, w in params.items()}
     v = {k: mx.zeros_like(w) for k, w in params.items()}
-    step_fn = make_step(fwd, recipe)
-    held_out = HeldOut(fwd, heldout_ids, recipe) if eval_s > 0 else None
+    step_fn = make_step(fwd, recipe, compile)
+    held_out = HeldOut(fwd, heldout_ids, recipe, compile) if eval_s > 0 else None
     rng = np.random.default_rng(recipe.seed)
     prog = Progress()
     run: dict[str, Any] = {
@@ -192,6 +196,7 @@ def train(
         "device": str(mx.default_device()),
         "mlx": getattr(mx, "__version__", "?"),
         "fused_attention": fwd.fused_attention,
+        "compiled": compile,
         "time_limit_s": time_limit_s,
         "evals": [],
         "rollbacks": 0,
