@@ -35,6 +35,8 @@ from scheduler.outcome import (
     TokenLogprob,
     Usage,
 )
+from scheduler.prefix_cache import PrefixCacheStats
+from scheduler.prefix_reuse import PrefixCacheConfig
 from scheduler.queue import Policy, Rejected, RejectReason
 from scheduler.request import (
     DuplicateRequestId,
@@ -59,6 +61,8 @@ __all__ = [
     "InvalidRequest",
     "ParameterOutOfRange",
     "Policy",
+    "PrefixCacheConfig",
+    "PrefixCacheStats",
     "PromptTooLong",
     "RejectReason",
     "Rejected",

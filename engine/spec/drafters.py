@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -53,6 +53,13 @@ class Draft:
     q: mx.array | None = None  # None: each token is a point mass
 
 
+class DrafterState(Protocol):
+    """A drafter's state for one slot, as `Drafter.export` returns it."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
 class Drafter:
     """Base of all drafters; stateless drafters keep the no-op hooks."""
 
@@ -76,6 +83,14 @@ class Drafter:
 
     def release(self, slot: SlotId) -> None:
         """The slot's sequence ended; forget it."""
+
+    def export(self, slot: SlotId) -> DrafterState | None:
+        """What the drafter keeps for `slot`, to `adopt` in a slot restored from the same
+        pool snapshot (None: nothing)."""
+        return None
+
+    def adopt(self, slot: SlotId, state: DrafterState) -> None:
+        """Follow `slot` from a state `export` returned (its pool state was restored)."""
 
 
 class NgramDrafter(Drafter):
@@ -130,6 +145,10 @@ class _Tail:
     hidden: list[mx.array] = field(default_factory=list)
     n: int = 0
 
+    @property
+    def nbytes(self) -> int:
+        return sum(h.nbytes for h in self.hidden)
+
 
 class MTPDrafter(Drafter):
     """Drafts with the model's MTP head, all slots of a step in one `runner.draft` per depth.
@@ -180,6 +199,20 @@ class MTPDrafter(Drafter):
 
     def release(self, slot: SlotId) -> None:
         self._tails.pop(slot, None)
+
+    def export(self, slot: SlotId) -> DrafterState | None:
+        t = self._tails.get(slot)
+        if t is None:
+            return None
+        hidden = mx.concatenate(t.hidden, axis=0) if t.hidden else None
+        if hidden is not None:
+            mx.eval(hidden)
+        return _Tail(t.start, [] if hidden is None else [hidden], t.n)
+
+    def adopt(self, slot: SlotId, state: DrafterState) -> None:
+        if not isinstance(state, _Tail):
+            raise TypeError(f"slot {slot}: not an MTP drafter state: {type(state).__name__}")
+        self._tails[slot] = _Tail(state.start, list(state.hidden), state.n)
 
     def draft(self, jobs: Sequence[DraftJob]) -> list[Draft]:
         out = [Draft() for _ in jobs]
