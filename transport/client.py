@@ -388,7 +388,8 @@ class Client:
         yet, or the queue to the server is full). Pings, Cancels and Bye are best effort."""
         assert self._sock is not None
         try:
-            self._sock.send([p.encode(msg)])
+            minor = p.PROTOCOL_MINOR if self.welcome is None else self.welcome.minor
+            self._sock.send([p.encode(msg, minor)])
         except zmq.Again:
             return False
         return True

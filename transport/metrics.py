@@ -6,6 +6,7 @@ the HTTP thread:
 * `refresh()` snapshots `Scheduler.stats()` (a frozen value); the registry's
   collector turns the latest snapshot into counters and gauges at scrape time:
   requests by outcome, tokens in and out, queue depth, active slots, slot memory,
+  the prefix cache (lookups, hits, hit ratio, tokens saved, bytes, evictions),
   step time and host overhead (as summaries: `_count` steps, `_sum` seconds).
 * `observe(event)` sees every request event the server relays: TTFT (from the
   Finished timings), inter-token latency (gaps between a request's Deltas, split
@@ -71,6 +72,30 @@ class _SnapshotCollector(Collector):
         )
         yield GaugeMetricFamily(
             f"{PREFIX}_slot_memory_budget_bytes", "The admission budget", st.budget_bytes
+        )
+        pc = st.prefix_cache
+        yield CounterMetricFamily(
+            f"{PREFIX}_prefix_cache_lookups", "Prompts looked up in the prefix cache", pc.lookups
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_prefix_cache_hits", "Prompts resumed from a cached prefix", pc.hits
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_prefix_cache_hit_ratio", "Hits per lookup since start", pc.hit_rate
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_prefix_cache_tokens_saved",
+            "Prompt tokens restored from the prefix cache instead of prefilled",
+            pc.tokens_saved,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_prefix_cache_bytes", "Host memory held by cached prefixes", pc.bytes_held
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_prefix_cache_budget_bytes", "The prefix cache's budget", pc.budget_bytes
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_prefix_cache_evictions", "Cached prefixes evicted", pc.evictions
         )
         t = st.times
         yield SummaryMetricFamily(
