@@ -65,22 +65,20 @@ class DaemonConfig:
         return host, int(port)
 
 
-def _positive_int(v: Any) -> int:
-    n = v.strip() if isinstance(v, str) else v
-    if isinstance(n, str) and n.isdigit():
-        n = int(n)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError("expected an integer >= 1")
-    return n
+def _integer(least: int) -> Callable[[Any], int]:
+    def parse(v: Any) -> int:
+        n = v.strip() if isinstance(v, str) else v
+        if isinstance(n, str) and n.isdigit():
+            n = int(n)
+        if not isinstance(n, int) or isinstance(n, bool) or n < least:
+            raise ValueError(f"expected an integer >= {least}")
+        return n
+
+    return parse
 
 
-def _count(v: Any) -> int:
-    n = v.strip() if isinstance(v, str) else v
-    if isinstance(n, str) and n.isdigit():
-        n = int(n)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-        raise ValueError("expected an integer >= 0")
-    return n
+_positive_int = _integer(1)
+_count = _integer(0)
 
 
 def _seconds(v: Any) -> float:

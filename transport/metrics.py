@@ -74,29 +74,16 @@ class _SnapshotCollector(Collector):
             f"{PREFIX}_slot_memory_budget_bytes", "The admission budget", st.budget_bytes
         )
         pc = st.prefix_cache
-        yield CounterMetricFamily(
-            f"{PREFIX}_prefix_cache_lookups", "Prompts looked up in the prefix cache", pc.lookups
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}_prefix_cache_hits", "Prompts resumed from a cached prefix", pc.hits
-        )
-        yield GaugeMetricFamily(
-            f"{PREFIX}_prefix_cache_hit_ratio", "Hits per lookup since start", pc.hit_rate
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}_prefix_cache_tokens_saved",
-            "Prompt tokens restored from the prefix cache instead of prefilled",
-            pc.tokens_saved,
-        )
-        yield GaugeMetricFamily(
-            f"{PREFIX}_prefix_cache_bytes", "Host memory held by cached prefixes", pc.bytes_held
-        )
-        yield GaugeMetricFamily(
-            f"{PREFIX}_prefix_cache_budget_bytes", "The prefix cache's budget", pc.budget_bytes
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}_prefix_cache_evictions", "Cached prefixes evicted", pc.evictions
-        )
+        for family, name, text, value in (
+            (CounterMetricFamily, "lookups", "Prompts looked up in the cache", pc.lookups),
+            (CounterMetricFamily, "hits", "Prompts resumed from a cached prefix", pc.hits),
+            (GaugeMetricFamily, "hit_ratio", "Hits per lookup since start", pc.hit_rate),
+            (CounterMetricFamily, "tokens_saved", "Prompt tokens not prefilled", pc.tokens_saved),
+            (GaugeMetricFamily, "bytes", "Host memory held by snapshots", pc.bytes_held),
+            (GaugeMetricFamily, "budget_bytes", "The cache's memory budget", pc.budget_bytes),
+            (CounterMetricFamily, "evictions", "Snapshots evicted", pc.evictions),
+        ):
+            yield family(f"{PREFIX}_prefix_cache_{name}", text, value)
         t = st.times
         yield SummaryMetricFamily(
             f"{PREFIX}_step_seconds", "Wall time per batched step", t.steps, t.wall_s
