@@ -302,8 +302,8 @@ class Scheduler:
         admitted = self._admit(now)
         decoding = [s for s in self._active if s.phase == Phase.DECODE]
         prefilling = [s for s in self._active if s.phase == Phase.PREFILL]
-        if not decoding and not prefilling:
-            return None
+        if not decoding and not prefilling and not self._to_snapshot:
+            return None  # (a finished request's snapshot is taken even when nothing runs)
         free, self._to_free = self._to_free, []
         snapshot, self._to_snapshot = self._to_snapshot, []
         cfg = self.config

@@ -319,3 +319,16 @@ async def test_a_request_that_fails_publishes_nothing(
 def _entries(scheduler: Scheduler) -> list[Any]:
     cache = scheduler._reuse.cache
     return [n.entry for n in cache._entries.values() if n.entry is not None]
+
+
+async def test_the_next_turn_resumes_after_the_previous_reply_when_it_sends_it_back(
+    new: Callable[..., Scheduler], tokenizer: Tokenizer
+) -> None:
+    """The finished request's slot holds prompt + reply (but the last reply token): the next
+    turn, which sends the reply back, prefills only from there."""
+    end = min(tokenizer.eog_ids)
+    convs = conversations_of(5, 1, 2, end)
+    cached = new(n_slots=1, prefix_cache=cache_config())
+    (outputs,), finished = await run_conversations(cached, convs, max_tokens=10)
+    first_prompt = len(convs[0][0])
+    assert finished[1].usage.cached_tokens == first_prompt + len(outputs[0]) - 1
