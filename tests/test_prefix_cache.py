@@ -332,3 +332,23 @@ async def test_the_next_turn_resumes_after_the_previous_reply_when_it_sends_it_b
     (outputs,), finished = await run_conversations(cached, convs, max_tokens=10)
     first_prompt = len(convs[0][0])
     assert finished[1].usage.cached_tokens == first_prompt + len(outputs[0]) - 1
+
+
+async def test_several_hits_restored_in_one_step_each_give_their_own_tokens(
+    new: Callable[..., Scheduler], tokenizer: Tokenizer
+) -> None:
+    rng = random.Random(9)
+    end = min(tokenizer.eog_ids)
+    shared = message(rng, end, 40)
+    prompts = [shared + message(rng, end, rng.randrange(2, 12)) for _ in range(3)]
+    requests = [Request(prompt=p, sampling=GREEDY, max_tokens=8) for p in prompts]
+    plain = new(n_slots=3)
+    async with plain.running():
+        want = [(await plain.submit(r).collect()).token_ids for r in requests]
+    cached = new(n_slots=3, prefix_cache=cache_config())
+    async with cached.running():
+        await cached.submit(Request(prompt=shared, max_tokens=2)).collect()
+        handles = [cached.submit(r) for r in requests]  # admitted together, in one step
+        got = [await h.collect() for h in handles]
+    assert [g.token_ids for g in got] == want
+    assert [g.finished.usage.cached_tokens for g in got] == [len(shared)] * 3
