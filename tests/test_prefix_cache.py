@@ -12,10 +12,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import mlx.core as mx
+import numpy as np
 import test_scheduler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.cache import SlotPool
+from engine.models.qwen35 import Model
+from engine.runner import ModelRunner
+from engine.sampling import RequestRng
+from engine.spec.drafters import MTPDrafter
+from engine.spec.speculator import DecodingSlot, Speculator
 from engine.tokenizer import Tokenizer
 from scheduler import (
     Delta,
@@ -26,6 +34,7 @@ from scheduler import (
     Scheduler,
 )
 from scheduler.prefix_cache import PrefixCache
+from scheduler.prefix_reuse import SlotImage
 
 # The scheduler fixtures of test_scheduler: `new(n_slots, speculate, **config)` over a fresh
 # pool of the tiny model (contexts of 160 tokens), checking every slot is freed.
@@ -352,3 +361,27 @@ async def test_several_hits_restored_in_one_step_each_give_their_own_tokens(
         got = [await h.collect() for h in handles]
     assert [g.token_ids for g in got] == want
     assert [g.finished.usage.cached_tokens for g in got] == [len(shared)] * 3
+
+
+def test_a_restored_slot_drafts_with_the_mtp_head_as_the_slot_it_was_taken_from(
+    model: Model,
+) -> None:
+    pool = SlotPool(model.config, 2, 160, kv_dtype=mx.float32, max_draft=2)
+    runner = ModelRunner(model, pool)
+    spec = Speculator(runner, 2, drafters=[MTPDrafter(runner)])
+    prompt = [random.Random(4).randrange(0, 500) for _ in range(30)]
+    a = pool.allocate()
+    row = spec.prefill_row(a, prompt, 0, "on")
+    out = runner.step([row]).rows[0]
+    spec.prefilled(row, out)
+    image = SlotImage.capture(pool, spec, a)
+    assert image.drafters and image.nbytes > image.snapshot.nbytes
+    b = pool.allocate()
+    image.restore(pool, spec, b, "on")
+    first = int(np.argmax(np.array(out.logits[-1])))
+    slots = [DecodingSlot(s, first, [*prompt, first], GREEDY, RequestRng(0), "on") for s in (a, b)]
+    rows = spec.plan(slots)
+    assert len(rows[0].tokens) == 3 and rows[0].tokens == rows[1].tokens  # both drafted K = 2
+    committed = spec.resolve(slots, runner.step(rows).rows)
+    assert committed[0].tokens == committed[1].tokens
+    assert pool.lengths[a] == pool.lengths[b]
