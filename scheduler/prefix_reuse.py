@@ -36,20 +36,23 @@ class PrefixCacheConfig:
     """`budget_bytes`: host memory for snapshots, published and pending (0: cache off).
     `interval`: snapshot every this many prompt tokens (0: only at other boundaries).
     `message_ends`: snapshot after every end-of-message token of a prompt. `min_tokens`:
-    the shortest prefix worth a snapshot. `finished`: snapshot a request's prompt and
-    output when it completes."""
+    the shortest prefix worth a snapshot. `per_prompt`: the most snapshots of one prompt
+    (the prompt end and the latest other boundaries: a cold conversation of many messages
+    would otherwise copy its whole history once per message). `finished`: snapshot a
+    request's prompt and output when it completes."""
 
     budget_bytes: int = 1 << 30
     interval: int = 1024
     message_ends: bool = True
     min_tokens: int = 32
+    per_prompt: int = 4
     finished: bool = True
 
     def __post_init__(self) -> None:
-        if self.budget_bytes < 0 or self.interval < 0 or self.min_tokens < 1:
-            raise ValueError(
-                "prefix cache: budget_bytes and interval must be >= 0, min_tokens >= 1"
-            )
+        if self.budget_bytes < 0 or self.interval < 0:
+            raise ValueError("prefix cache: budget_bytes and interval must be >= 0")
+        if self.min_tokens < 1 or self.per_prompt < 1:
+            raise ValueError("prefix cache: min_tokens and per_prompt must be >= 1")
 
 
 @dataclass
@@ -112,13 +115,12 @@ class PrefixReuse:
             points.update(range(cfg.interval, len(prompt), cfg.interval))
         if cfg.message_ends:
             points.update(i + 1 for i, t in enumerate(prompt) if t in self._message_ends)
-        seq.snapshot_at = tuple(
-            sorted(
-                b
-                for b in points
-                if b > seq.prefilled and b >= cfg.min_tokens and prompt[:b] not in self.cache
-            )
+        wanted = sorted(
+            b
+            for b in points
+            if b > seq.prefilled and b >= cfg.min_tokens and prompt[:b] not in self.cache
         )
+        seq.snapshot_at = tuple(wanted[-cfg.per_prompt :])
 
     def stepped(self, admitted: list[Sequence], images: list[tuple[Sequence, SlotImage]]) -> None:
         """After a step: release the step's restores, account the snapshots it took."""

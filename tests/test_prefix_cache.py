@@ -385,3 +385,16 @@ def test_a_restored_slot_drafts_with_the_mtp_head_as_the_slot_it_was_taken_from(
     committed = spec.resolve(slots, runner.step(rows).rows)
     assert committed[0].tokens == committed[1].tokens
     assert pool.lengths[a] == pool.lengths[b]
+
+
+async def test_a_cold_prompt_of_many_messages_is_snapshotted_only_at_its_last_boundaries(
+    new: Callable[..., Scheduler], tokenizer: Tokenizer
+) -> None:
+    rng = random.Random(2)
+    end = min(tokenizer.eog_ids)
+    prompt = [t for _ in range(10) for t in message(rng, end, 8)]
+    ends = [i + 1 for i, t in enumerate(prompt) if t == end]
+    cached = new(n_slots=1, prefix_cache=cache_config(interval=0, per_prompt=3, finished=False))
+    async with cached.running():
+        await cached.submit(Request(prompt=prompt, max_tokens=2)).collect()
+    assert sorted(e.length for e in _entries(cached)) == ends[-3:]
