@@ -224,7 +224,10 @@ class Scheduler:
                 for seq, image in result.final_images:
                     self._reuse.finished(seq, image)
                 t2 = time.perf_counter()
-                self._count(result, schedule_s=(t0 - boundary) + (t2 - t1), wall_s=t2 - boundary)
+                if plan.decoding or plan.prefilling:  # not a step that only took snapshots
+                    self._count(
+                        result, schedule_s=(t0 - boundary) + (t2 - t1), wall_s=t2 - boundary
+                    )
                 boundary = t2
         except Exception as e:
             crash = f"the scheduler loop failed: {type(e).__name__}: {e}"
