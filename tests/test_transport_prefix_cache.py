@@ -5,14 +5,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import anyio
 import msgspec
 import pytest
+import zmq
 from serving import RawPeer, Tiny, load_tiny, new_scheduler, serve_scheduler
 
 from scheduler import PrefixCacheConfig, SchedulerConfig
 from transport import protocol as p
-from transport.client import Client
+from transport.client import Client, ClientError
+from transport.sockets import AsyncSocket
 
 CACHE = SchedulerConfig(prefix_cache=PrefixCacheConfig(budget_bytes=16 << 20, min_tokens=4))
 
@@ -78,3 +82,41 @@ async def test_a_client_of_protocol_1_0_gets_usage_as_1_0_wrote_it(
         finally:
             peer.close()
     assert scheduler.stats().prefix_cache.hits == 1
+
+
+async def test_a_client_leaves_out_the_opt_out_for_a_server_of_protocol_1_0(
+    tmp_path: Path,
+) -> None:
+    """A hand-made 1.0 server (a bare ROUTER): the client's Generate carries the 19 fields of
+    1.0, and asking it to opt out of a cache that server cannot have is an error."""
+    address = f"ipc://{tmp_path}/old.sock"
+    ctx: zmq.Context[Any] = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(address)
+    old = AsyncSocket(router)
+    welcome = p.Welcome(1, 0, "old", "tiny", 160, 512, [1], 8, 1 << 20, 1000, 10_000)
+    generates: list[list[object]] = []
+
+    async def old_server() -> None:
+        identity, hello = await old.recv_bytes()
+        assert isinstance(p.decode_client(hello), p.Hello)
+        old.send([identity, p.encode(welcome)])
+        while not generates:  # (Pings may come first)
+            _, frame = await old.recv_bytes()
+            message = msgspec.msgpack.decode(frame)
+            if message[0] == 2:
+                generates.append(message)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(old_server)
+            async with Client.connect(address) as client:
+                with pytest.raises(ClientError, match=r"needs protocol 1\.1"):
+                    await client.complete([1, 2, 3], max_tokens=2, prefix_cache=False)
+                async with client.generate([1, 2, 3]) as stream:
+                    with anyio.move_on_after(2):
+                        await stream.next_delta()
+        assert len(generates[0]) == 20  # the tag and the 19 fields of 1.0
+    finally:
+        router.close()
