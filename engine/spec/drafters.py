@@ -145,9 +145,19 @@ class _Tail:
     hidden: list[mx.array] = field(default_factory=list)
     n: int = 0
 
+
+@dataclass(frozen=True)
+class _HostTail:
+    """A `_Tail` copied to host memory (`MTPDrafter.export`): hidden states `[n, E]`."""
+
+    start: int
+    n: int
+    hidden: np.ndarray | None = None
+    dtype: mx.Dtype = mx.float32
+
     @property
     def nbytes(self) -> int:
-        return sum(h.nbytes for h in self.hidden)
+        return 0 if self.hidden is None else self.hidden.nbytes
 
 
 class MTPDrafter(Drafter):
@@ -204,15 +214,17 @@ class MTPDrafter(Drafter):
         t = self._tails.get(slot)
         if t is None:
             return None
-        hidden = mx.concatenate(t.hidden, axis=0) if t.hidden else None
-        if hidden is not None:
-            mx.eval(hidden)
-        return _Tail(t.start, [] if hidden is None else [hidden], t.n)
+        if not t.hidden:
+            return _HostTail(t.start, t.n)
+        hidden = mx.concatenate(t.hidden, axis=0)
+        # To host memory; float32 holds every float16 / bfloat16 value exactly.
+        return _HostTail(t.start, t.n, np.array(hidden.astype(mx.float32)), hidden.dtype)
 
     def adopt(self, slot: SlotId, state: DrafterState) -> None:
-        if not isinstance(state, _Tail):
+        if not isinstance(state, _HostTail):
             raise TypeError(f"slot {slot}: not an MTP drafter state: {type(state).__name__}")
-        self._tails[slot] = _Tail(state.start, list(state.hidden), state.n)
+        hidden = [] if state.hidden is None else [mx.array(state.hidden).astype(state.dtype)]
+        self._tails[slot] = _Tail(state.start, hidden, state.n)
 
     def draft(self, jobs: Sequence[DraftJob]) -> list[Draft]:
         out = [Draft() for _ in jobs]
