@@ -398,3 +398,23 @@ async def test_a_cold_prompt_of_many_messages_is_snapshotted_only_at_its_last_bo
     async with cached.running():
         await cached.submit(Request(prompt=prompt, max_tokens=2)).collect()
     assert sorted(e.length for e in _entries(cached)) == ends[-3:]
+
+
+async def test_a_prompt_that_leaves_an_earlier_one_midway_resumes_from_its_last_boundary(
+    new: Callable[..., Scheduler],
+) -> None:
+    """Snapshots every 16 tokens of a 50-token prompt; a prompt sharing its first 40 tokens
+    resumes at 32, the last boundary before they part."""
+    rng = random.Random(6)
+    first = [rng.randrange(0, 500) for _ in range(50)]
+    branch = first[:40] + [rng.randrange(0, 500) for _ in range(12)]
+    request = Request(prompt=branch, sampling=GREEDY, max_tokens=8)
+    plain = new(n_slots=1)
+    async with plain.running():
+        want = await plain.submit(request).collect()
+    cached = new(n_slots=1, prefix_cache=cache_config(interval=16))
+    async with cached.running():
+        await cached.submit(Request(prompt=first, max_tokens=2)).collect()
+        got = await cached.submit(request).collect()
+    assert got.finished.usage.cached_tokens == 32
+    assert got.token_ids == want.token_ids
