@@ -36,6 +36,8 @@ from scheduler.outcome import (
     TokenLogprob,
     Usage,
 )
+from scheduler.prefix_cache import PrefixCacheStats
+from scheduler.prefix_reuse import PrefixCacheConfig
 from scheduler.queue import Policy, Rejected, RejectReason
 from scheduler.request import (
     DuplicateRequestId,
@@ -61,6 +63,8 @@ __all__ = [
     "InvalidRequest",
     "ParameterOutOfRange",
     "Policy",
+    "PrefixCacheConfig",
+    "PrefixCacheStats",
     "PromptTooLong",
     "RejectReason",
     "Rejected",

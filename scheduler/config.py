@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.prefix_reuse import PrefixCacheConfig
 from scheduler.queue import Policy
 from scheduler.step import FaultHook
 
@@ -17,6 +18,8 @@ class SchedulerConfig:
     prompt tokens of one request per step. `memory_bytes`: the admission budget (None:
     what the pool holds for all slots). `shutdown_grace_s`: how long running requests
     may go on after shutdown begins. `fault_hook`: test-only (see `scheduler.step`).
+    `prefix_cache`: exact reuse of cached prompt prefixes (None: off; see
+    `scheduler.prefix_reuse`).
     """
 
     max_queue: int = 256
@@ -27,6 +30,7 @@ class SchedulerConfig:
     memory_bytes: int | None = None
     shutdown_grace_s: float = 10.0
     fault_hook: FaultHook | None = None
+    prefix_cache: PrefixCacheConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:

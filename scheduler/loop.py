@@ -38,6 +38,7 @@ from scheduler.admission import MemoryBudget
 from scheduler.config import SchedulerConfig
 from scheduler.handle import EventSink, RequestHandle, SinkOutlet, StreamOutlet
 from scheduler.outcome import Delta, FinishReason, TokenLogprob
+from scheduler.prefix_reuse import PrefixReuse
 from scheduler.queue import Rejected, RejectReason, WaitQueue
 from scheduler.request import DuplicateRequestId, Request, Speculation, prepare
 from scheduler.sequence import Phase, Sequence
@@ -84,6 +85,8 @@ class Scheduler:
         self._seqs: dict[str, Sequence] = {}  # every request not yet finished
         self._active: list[Sequence] = []  # admitted, holding a slot, in admission order
         self._to_free: list[SlotId] = []  # slots of ended requests, freed in the next step
+        self._reuse = PrefixReuse(config.prefix_cache, tokenizer.eog_ids)
+        self._to_snapshot: list[tuple[Sequence, SlotId]] = []  # finished, for the prefix cache
         self._unpublished: list[Sequence] = []  # committed tokens to publish
         self._ids = itertools.count()
         self._counters = Counters()
@@ -199,6 +202,7 @@ class Scheduler:
             prompt_tokens=c.prompt_tokens,
             generated_tokens=c.generated_tokens,
             times=replace(c.times),
+            prefix_cache=replace(self._reuse.stats()),
         )
 
     # -- the loop --------------------------------------------------------------------------------
@@ -222,8 +226,14 @@ class Scheduler:
                 result = await self._step(plan)
                 t1 = time.perf_counter()
                 self._commit(result)
+                self._reuse.stepped(plan.admit, result.images)
+                for seq, image in result.final_images:
+                    self._reuse.finished(seq, image)
                 t2 = time.perf_counter()
-                self._count(result, schedule_s=(t0 - boundary) + (t2 - t1), wall_s=t2 - boundary)
+                if plan.decoding or plan.prefilling:  # not a step that only took snapshots
+                    self._count(
+                        result, schedule_s=(t0 - boundary) + (t2 - t1), wall_s=t2 - boundary
+                    )
                 boundary = t2
         except Exception as e:
             crash = f"the scheduler loop failed: {type(e).__name__}: {e}"
@@ -292,6 +302,9 @@ class Scheduler:
                 keep.append(seq)
                 continue
             self._budget.release(seq.reserved_bytes)
+            if self._reuse.ended(seq, succeeded=seq.ending is not None):
+                assert seq.slot is not None
+                self._to_snapshot.append((seq, seq.slot))
             if seq.slot is not None:
                 self._to_free.append(seq.slot)
         self._active = keep
@@ -300,12 +313,19 @@ class Scheduler:
         admitted = self._admit(now)
         decoding = [s for s in self._active if s.phase == Phase.DECODE]
         prefilling = [s for s in self._active if s.phase == Phase.PREFILL]
-        if not decoding and not prefilling:
-            return None
+        if not decoding and not prefilling and not self._to_snapshot:
+            return None  # (a finished request's snapshot is taken even when nothing runs)
         free, self._to_free = self._to_free, []
+        snapshot, self._to_snapshot = self._to_snapshot, []
         cfg = self.config
         return StepPlan(
-            free, admitted, decoding, prefilling, cfg.max_batch_tokens, cfg.max_prefill_chunk
+            free,
+            admitted,
+            decoding,
+            prefilling,
+            cfg.max_batch_tokens,
+            cfg.max_prefill_chunk,
+            snapshot,
         )
 
     def _admit(self, now: float) -> list[Sequence]:
@@ -320,9 +340,10 @@ class Scheduler:
             self._queue.pop(now)
             self._budget.reserve(head.reserved_bytes)
             head.phase, head.admitted_at = Phase.PREFILL, now
+            self._reuse.admit(head)
             self._active.append(head)
             admitted.append(head)
-            backlog += len(head.prompt)
+            backlog += len(head.prompt) - head.prefilled
         return admitted
 
     def _commit(self, result: StepResult) -> None:

@@ -48,8 +48,11 @@ class Delta:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
+    """`cached_tokens`: prompt tokens restored from the prefix cache, not prefilled."""
+
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

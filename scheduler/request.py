@@ -68,6 +68,8 @@ class Request:
     the model's end-of-generation tokens unless `ignore_eos`). `priority`: higher runs
     earlier (under the priority policy). `deadline_s`: seconds after submission by which
     the request ends, finished or not. `request_id`: chosen by the caller or generated.
+    `prefix_cache`: False keeps the request out of the prefix cache (no lookup, no
+    snapshots of its prompt).
     """
 
     prompt: Prompt
@@ -80,6 +82,7 @@ class Request:
     deadline_s: float | None = None
     speculation: Speculation = Speculation.AUTO
     request_id: str | None = None
+    prefix_cache: bool = True
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from engine.cache import SlotId
 from engine.sampling import RequestRng
@@ -33,6 +34,10 @@ from scheduler.outcome import (
 )
 from scheduler.request import Prepared
 from scheduler.stop import StopMatcher
+
+if TYPE_CHECKING:
+    from scheduler.prefix_cache import CachedPrefix
+    from scheduler.prefix_reuse import SlotImage
 
 
 class Phase(Enum):
@@ -62,6 +67,12 @@ class Sequence:
     last_token_at: float | None = None
     itl_max_s: float = 0.0
     spec: SpecRecord = field(default_factory=SpecRecord)  # recorded from each step's Committed
+    # Prefix reuse (`scheduler.prefix_reuse`): the cached prefix to restore on admission,
+    # the prompt tokens it saved, where to snapshot the prompt, the snapshots taken so far.
+    restore: CachedPrefix[SlotImage] | None = None
+    cached_tokens: int = 0
+    snapshot_at: tuple[int, ...] = ()
+    images: list[SlotImage] = field(default_factory=list)
     _unpublished: list[int] = field(default_factory=list)
     _logprobs: list[TokenLogprob] = field(default_factory=list)
 
@@ -81,6 +92,13 @@ class Sequence:
     def live(self) -> bool:
         """Still running: neither ended by its tokens nor finished."""
         return self.phase != Phase.DONE and self.ending is None
+
+    def next_chunk_limit(self) -> int:
+        """Prompt tokens the next prefill chunk may take: up to the next snapshot boundary."""
+        end = len(self.prompt)
+        return (
+            min((b for b in self.snapshot_at if b > self.prefilled), default=end) - self.prefilled
+        )
 
     @property
     def committed(self) -> int:
@@ -163,7 +181,7 @@ class Sequence:
         return Finished(
             request_id=self.id,
             reason=reason,
-            usage=Usage(len(self.prompt), n),
+            usage=Usage(len(self.prompt), n, self.cached_tokens),
             timings=Timings(
                 queued_s=(self.admitted_at if self.admitted_at is not None else now) - t0,
                 ttft_s=None if first is None else first - t0,

@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from scheduler.outcome import FinishReason
+from scheduler.prefix_cache import PrefixCacheStats
 
 
 @dataclass
@@ -35,6 +36,7 @@ class SchedulerStats:
     prompt_tokens: int  # prompt tokens prefilled
     generated_tokens: int  # tokens delivered to requests (in Deltas)
     times: StepTimes = field(default_factory=StepTimes)
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
 
 @dataclass

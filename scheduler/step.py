@@ -41,6 +41,7 @@ from engine.spec.speculator import (
     sample_rows,
 )
 from scheduler.outcome import TokenLogprob
+from scheduler.prefix_reuse import SlotImage
 from scheduler.sequence import Sequence as Seq
 
 FaultHook = Callable[[list[str]], None]
@@ -74,6 +75,7 @@ class StepPlan:
     prefilling: list[Seq]  # in admission order: earlier ones get their chunks first
     token_budget: int
     max_chunk: int
+    snapshot: list[tuple[Seq, SlotId]] = field(default_factory=list)  # before they are freed
 
 
 @dataclass
@@ -82,6 +84,8 @@ class StepResult:
     first: list[tuple[Seq, int, list[TokenLogprob]]] = field(default_factory=list)
     decoded: list[tuple[Seq, Committed, list[TokenLogprob]]] = field(default_factory=list)
     failed: list[tuple[Seq, str]] = field(default_factory=list)
+    images: list[tuple[Seq, SlotImage]] = field(default_factory=list)  # at snapshot boundaries
+    final_images: list[tuple[Seq, SlotImage]] = field(default_factory=list)  # of `plan.snapshot`
     draft_s: float = 0.0  # speculator.plan: drafting and row building
     forward_s: float = 0.0  # runner.step (bisection included)
     sample_s: float = 0.0  # resolve, first tokens, log-probabilities
@@ -92,7 +96,7 @@ def prefill_chunks(prefilling: Sequence[Seq], budget: int, max_chunk: int) -> li
     `budget` tokens in all (several prompts share a step)."""
     chunks = []
     for seq in prefilling:
-        n = min(len(seq.prompt) - seq.prefilled, max_chunk, budget)
+        n = min(seq.next_chunk_limit(), max_chunk, budget)
         if n <= 0:
             break
         chunks.append(Chunk(seq, seq.prompt[seq.prefilled : seq.prefilled + n], seq.prefilled))
@@ -161,10 +165,12 @@ class Stepper:
             self.speculator.release(slot)
 
     def _run(self, plan: StepPlan, result: StepResult) -> None:
+        self._snapshot(plan.snapshot, result.final_images, result)
         self.release(plan.free)
         pool = self.runner.pool
         for seq in plan.admit:
             seq.slot = pool.allocate()
+        prefilling = self._restore(plan, result)
 
         t0 = time.perf_counter()
         decoding = list(plan.decoding)
@@ -174,7 +180,7 @@ class Stepper:
             result.failed += [(s, _describe(e)) for s in decoding]
             decoding, rows = [], []
         budget = plan.token_budget - sum(len(r.tokens) for r in rows)
-        chunks = prefill_chunks(plan.prefilling, budget, plan.max_chunk)
+        chunks = prefill_chunks(prefilling, budget, plan.max_chunk)
         entries = [(c.seq, self._prefill_row(c)) for c in chunks]
         entries += list(zip(decoding, rows, strict=True))
         if not entries:
@@ -187,12 +193,45 @@ class Stepper:
         result.chunks = [c for i, c in enumerate(chunks) if i in outputs]
         ran = [(c.seq, entries[i][1], outputs[i]) for i, c in enumerate(chunks) if i in outputs]
         self._prefilled(ran, result)
+        at = [
+            (c.seq, _slot(c.seq))
+            for c in result.chunks
+            if c.start + len(c.tokens) in c.seq.snapshot_at
+        ]
+        self._snapshot(at, result.images, result)
         done = [(c.seq, outputs[i]) for i, c in enumerate(chunks) if i in outputs and c.completes]
         base = len(chunks)
         ok = [i for i in range(len(decoding)) if base + i in outputs]
         self._resolve([decoding[i] for i in ok], [outputs[base + i] for i in ok], result)
         self._sample_first(done, result)
         result.sample_s = time.perf_counter() - t2
+
+    def _restore(self, plan: StepPlan, result: StepResult) -> list[Seq]:
+        """Restore the cached prefixes of newly admitted sequences into their slots; the
+        prefilling sequences whose slots are ready."""
+        failed = set()
+        for seq in plan.admit:
+            if seq.restore is None:
+                continue
+            try:
+                speculation = seq.prepared.request.speculation
+                seq.restore.image.restore(
+                    self.runner.pool, self.speculator, _slot(seq), speculation
+                )
+            except Exception as e:
+                result.failed.append((seq, f"restoring a cached prefix: {_describe(e)}"))
+                failed.add(id(seq))
+        return [s for s in plan.prefilling if id(s) not in failed]
+
+    def _snapshot(
+        self, slots: list[tuple[Seq, SlotId]], into: list[tuple[Seq, SlotImage]], result: StepResult
+    ) -> None:
+        """Host snapshots of these slots (for the prefix cache)."""
+        for seq, slot in slots:
+            try:
+                into.append((seq, SlotImage.capture(self.runner.pool, self.speculator, slot)))
+            except Exception as e:
+                result.failed.append((seq, f"snapshotting its slot: {_describe(e)}"))
 
     def _prefill_row(self, chunk: Chunk) -> Row:
         """The chunk's row, as the Speculator shapes it (drafters with state, like the MTP

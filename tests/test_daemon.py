@@ -177,6 +177,8 @@ def test_the_metrics_endpoint_counts_the_traffic(model: Path, tmp_path: Path) ->
     assert moved("slotserve_ttft_seconds_count") == 3
     assert moved("slotserve_itl_seconds_count") == 3 * 7
     assert moved("slotserve_step_seconds_count") >= 8
+    assert moved("slotserve_prefix_cache_lookups_total") == 3  # on by default; prompts too short
+    assert after["slotserve_prefix_cache_budget_bytes"] == 1 << 30
     depth_steps = [k for k in after if k.startswith("slotserve_spec_depth_steps_total")]
     assert sum(moved(k) for k in depth_steps) >= 3 * 7
     assert after["slotserve_active_slots"] == 0 and after["slotserve_queue_depth"] == 0

@@ -38,6 +38,7 @@ def test_the_example_config_is_valid_and_says_what_it_means(model: Path) -> None
     assert config.endpoints == ("tcp://127.0.0.1:5555", "ipc:///run/slotserve/slotserve.sock")
     assert config.log_file is None and config.pid_file is None and config.memory_budget is None
     assert config.metrics_host_port == ("127.0.0.1", 9464)
+    assert (config.prefix_cache, config.prefix_cache_interval) == (1 << 30, 1024)
 
 
 def test_sizes_lists_and_empty_strings_parse_from_the_environment(model: Path) -> None:
@@ -47,11 +48,14 @@ def test_sizes_lists_and_empty_strings_parse_from_the_environment(model: Path) -
         "SLOTSERVE_ENDPOINTS": "tcp://127.0.0.1:1, ipc:///tmp/x",
         "SLOTSERVE_METRICS_ADDRESS": "",
         "SLOTSERVE_SPECULATION": "off",
+        "SLOTSERVE_PREFIX_CACHE": "",
+        "SLOTSERVE_PREFIX_CACHE_INTERVAL": "0",
     }
     config = load(None, env, no_flags())
     assert config.memory_budget == 3 << 29
     assert config.endpoints == ("tcp://127.0.0.1:1", "ipc:///tmp/x")
     assert config.metrics_host_port is None and config.max_draft == 0
+    assert config.prefix_cache is None and config.prefix_cache_interval == 0
 
 
 @pytest.mark.parametrize(
@@ -62,6 +66,7 @@ def test_sizes_lists_and_empty_strings_parse_from_the_environment(model: Path) -
         ("drain_timeout = -1", "drain_timeout: expected a number of seconds >= 0"),
         ('log_format = "xml"', "log_format: expected one of plain, json"),
         ('memory_budget = "lots"', "memory_budget: expected bytes"),
+        ("prefix_cache_interval = -1", "prefix_cache_interval: expected an integer >= 0"),
         ('endpoints = ["http://x"]', "endpoints: expected tcp://host:port or ipc://path"),
         ('metrics_address = "9464"', 'metrics_address: expected "host:port"'),
         ("slot = 4", "slot: unknown key"),

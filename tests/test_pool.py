@@ -116,6 +116,19 @@ def test_snapshot_restore_and_fork_round_trip_exactly(model: Model) -> None:
     assert decode(runner, a, 9, 5) == decode(runner, b, 9, 5) == decode(runner, c, 9, 5)
 
 
+def test_a_bfloat16_pool_snapshots_and_restores_bit_exactly(model: Model) -> None:
+    pool = SlotPool(model.config, 2, 64, mx.bfloat16, max_draft=K)
+    runner = ModelRunner(model, pool)
+    a = pool.allocate()
+    runner.step([Row(a, [4, 8, 15, 16], 0)])
+    snap = pool.snapshot(a)
+    b = pool.allocate()
+    pool.restore(snap, b)
+    assert snapshots_equal(pool.snapshot(b), snap)
+    assert mx.array_equal(pool.k[:, a, :4], pool.k[:, b, :4]).item()
+    assert mx.array_equal(pool.v[:, a, :4], pool.v[:, b, :4]).item()
+
+
 def test_pool_bytes_match_the_accounting(model: Model) -> None:
     pool = SlotPool(model.config, 3, 40, mx.float16, max_draft=K)
     assert pool.total_bytes == 3 * pool.bytes_for(40, 0)

@@ -78,3 +78,18 @@ def test_malformed_client_messages_fail_to_decode(value: object) -> None:
 def test_server_messages_do_not_decode_as_client_messages() -> None:
     with pytest.raises(msgspec.DecodeError):
         p.decode_client(p.encode(p.Pong(1)))
+
+
+def test_a_peer_of_minor_version_0_never_receives_the_fields_of_1_1() -> None:
+    finished = p.Finished(
+        1, p.FinishReason.STOP, p.Usage(30, 2, cached_tokens=24), p.Timings(1, 2, 3, 4, 5)
+    )
+    old = msgspec.msgpack.decode(p.encode(finished, minor=0))
+    assert old[3] == [30, 2]  # usage as 1.0 wrote it
+    assert msgspec.msgpack.decode(p.encode(finished))[3] == [30, 2, 24]
+    assert p.decode_server(p.encode(finished, minor=0)).usage == p.Usage(30, 2)
+    generate = p.Generate(1, p.TokenPrompt([1]), prefix_cache=False)
+    assert msgspec.msgpack.decode(p.encode(generate, minor=0)) == GENERATE[:-1]
+    assert p.decode_client(p.encode(generate)).prefix_cache is False
+    stats = msgspec.msgpack.decode(p.encode(p.Stats(*range(18), prefix_hits=3), minor=0))
+    assert stats == [22, *range(18)]

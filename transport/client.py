@@ -364,6 +364,12 @@ class Client:
 
     async def _start(self, stream: Stream, generate: p.Generate) -> None:
         await self._ready.wait()
+        assert self.welcome is not None
+        if not generate.prefix_cache and self.welcome.minor < 1:
+            raise ClientError(
+                f"{self.endpoint}: prefix_cache=False needs protocol 1.1; the server speaks "
+                f"1.{self.welcome.minor}, which has no prefix cache to opt out of"
+            )
         self._streams[generate.request_id] = weakref.ref(stream)
         self._send_or_raise(generate)
 
@@ -388,7 +394,8 @@ class Client:
         yet, or the queue to the server is full). Pings, Cancels and Bye are best effort."""
         assert self._sock is not None
         try:
-            self._sock.send([p.encode(msg)])
+            minor = p.PROTOCOL_MINOR if self.welcome is None else self.welcome.minor
+            self._sock.send([p.encode(msg, minor)])
         except zmq.Again:
             return False
         return True

@@ -45,6 +45,8 @@ class DaemonConfig:
     max_queue: int = 256
     speculation: str = "auto"  # "off": never draft; "auto": the cost controller decides
     draft_depth: int = 4  # the most draft tokens a slot verifies per step
+    prefix_cache: int | None = 1 << 30  # bytes of host memory for cached prefixes; None = off
+    prefix_cache_interval: int = 1024  # snapshot long prompts every this many tokens; 0 = never
     log_format: str = "plain"
     log_level: str = "info"
     log_file: Path | None = None  # None = stderr
@@ -66,13 +68,20 @@ class DaemonConfig:
         return host, int(port)
 
 
-def _positive_int(v: Any) -> int:
-    n = v.strip() if isinstance(v, str) else v
-    if isinstance(n, str) and n.isdigit():
-        n = int(n)
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError("expected an integer >= 1")
-    return n
+def _integer(least: int) -> Callable[[Any], int]:
+    def parse(v: Any) -> int:
+        n = v.strip() if isinstance(v, str) else v
+        if isinstance(n, str) and n.isdigit():
+            n = int(n)
+        if not isinstance(n, int) or isinstance(n, bool) or n < least:
+            raise ValueError(f"expected an integer >= {least}")
+        return n
+
+    return parse
+
+
+_positive_int = _integer(1)
+_count = _integer(0)
 
 
 def _seconds(v: Any) -> float:
@@ -179,6 +188,8 @@ KEYS = (
     Key("max_queue", _positive_int, "requests waiting for a slot before submits are refused"),
     Key("speculation", _choice(SPECULATION), "speculative decoding: off or auto"),
     Key("draft_depth", _positive_int, "most draft tokens verified per slot and step"),
+    Key("prefix_cache", _bytes, 'host memory for the prefix cache, e.g. "1GiB" ("" = off)'),
+    Key("prefix_cache_interval", _count, "snapshot long prompts every N tokens (0 = never)"),
     Key("log_format", _choice(LOG_FORMATS), "plain text or JSON lines"),
     Key("log_level", _choice(LOG_LEVELS), "least severe level logged"),
     Key("log_file", _optional_path, "append logs here, reopened on SIGHUP (default: stderr)"),

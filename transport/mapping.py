@@ -63,6 +63,7 @@ def to_request(msg: p.Generate, request_id: str) -> s.Request:
         deadline_s=None if msg.deadline_ms is None else msg.deadline_ms / 1000.0,
         speculation=_SPECULATION[msg.speculation],
         request_id=request_id,
+        prefix_cache=msg.prefix_cache,
     )
 
 
@@ -89,7 +90,9 @@ def to_terminal(request_id: int, event: s.Finished) -> p.Finished | p.Error:
     return p.Finished(
         request_id,
         p.FinishReason(int(event.reason)),
-        p.Usage(event.usage.prompt_tokens, event.usage.completion_tokens),
+        p.Usage(
+            event.usage.prompt_tokens, event.usage.completion_tokens, event.usage.cached_tokens
+        ),
         p.Timings(
             t.queued_s * 1000.0,
             _ms(t.ttft_s),
@@ -118,6 +121,11 @@ def scheduler_counters(stats: s.SchedulerStats) -> dict[str, int]:
         "prompt_tokens": stats.prompt_tokens,
         "generated_tokens": stats.generated_tokens,
         "steps": stats.times.steps,
+        "prefix_lookups": stats.prefix_cache.lookups,
+        "prefix_hits": stats.prefix_cache.hits,
+        "prefix_tokens_saved": stats.prefix_cache.tokens_saved,
+        "prefix_bytes": stats.prefix_cache.bytes_held,
+        "prefix_evictions": stats.prefix_cache.evictions,
     }
 
 

@@ -6,6 +6,7 @@ the HTTP thread:
 * `refresh()` snapshots `Scheduler.stats()` (a frozen value); the registry's
   collector turns the latest snapshot into counters and gauges at scrape time:
   requests by outcome, tokens in and out, queue depth, active slots, slot memory,
+  the prefix cache (lookups, hits, hit ratio, tokens saved, bytes, evictions),
   step time and host overhead (as summaries: `_count` steps, `_sum` seconds).
 * `observe(event)` sees every request event the server relays: TTFT (from the
   Finished timings), inter-token latency (gaps between a request's Deltas, split
@@ -72,6 +73,17 @@ class _SnapshotCollector(Collector):
         yield GaugeMetricFamily(
             f"{PREFIX}_slot_memory_budget_bytes", "The admission budget", st.budget_bytes
         )
+        pc = st.prefix_cache
+        for family, name, text, value in (
+            (CounterMetricFamily, "lookups", "Prompts looked up in the cache", pc.lookups),
+            (CounterMetricFamily, "hits", "Prompts resumed from a cached prefix", pc.hits),
+            (GaugeMetricFamily, "hit_ratio", "Hits per lookup since start", pc.hit_rate),
+            (CounterMetricFamily, "tokens_saved", "Prompt tokens not prefilled", pc.tokens_saved),
+            (GaugeMetricFamily, "bytes", "Host memory held by snapshots", pc.bytes_held),
+            (GaugeMetricFamily, "budget_bytes", "The cache's memory budget", pc.budget_bytes),
+            (CounterMetricFamily, "evictions", "Snapshots evicted", pc.evictions),
+        ):
+            yield family(f"{PREFIX}_prefix_cache_{name}", text, value)
         t = st.times
         yield SummaryMetricFamily(
             f"{PREFIX}_step_seconds", "Wall time per batched step", t.steps, t.wall_s

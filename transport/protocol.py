@@ -25,7 +25,7 @@ from typing import Annotated
 import msgspec
 
 PROTOCOL_MAJOR = 1  # incompatible changes
-PROTOCOL_MINOR = 0  # additions: trailing fields with defaults, new message tags, new enum values
+PROTOCOL_MINOR = 1  # additions: trailing fields with defaults, new message tags, new enum values
 
 Uint = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 RequestId = Uint  # chosen by the client, unique among its connection's outstanding requests
@@ -130,6 +130,7 @@ class Generate(_Message, tag=2):
     priority: int = 0  # higher runs first
     deadline_ms: Uint | None = None  # after the server receives the request
     speculation: Speculation = Speculation.AUTO
+    prefix_cache: bool = True  # 1.1: False keeps the request out of the prefix cache
 
 
 class Cancel(_Message, tag=3):
@@ -206,6 +207,7 @@ class Deltas(_Message, tag=18):
 class Usage(_Message):
     prompt_tokens: Uint
     completion_tokens: Uint
+    cached_tokens: Uint = 0  # 1.1: prompt tokens restored from the prefix cache, not prefilled
 
 
 class Timings(_Message):
@@ -270,6 +272,12 @@ class Stats(_Message, tag=22):
     frames_rejected: Uint  # malformed frames and messages a server never takes
     slow_consumers: Uint  # connections whose requests were cancelled for a full send buffer
     dead_clients: Uint  # connections dropped on a disconnect or heartbeat silence
+    # 1.1: the prefix cache (all 0 when it is off)
+    prefix_lookups: Uint = 0  # prompts looked up
+    prefix_hits: Uint = 0  # of which resumed from a cached prefix
+    prefix_tokens_saved: Uint = 0  # prompt tokens not prefilled thanks to hits
+    prefix_bytes: Uint = 0  # host memory held by cached prefixes
+    prefix_evictions: Uint = 0
 
 
 ServerMessage = Welcome | Accepted | Deltas | Finished | Error | Pong | Stats
@@ -279,8 +287,26 @@ _client_decoder = msgspec.msgpack.Decoder(ClientMessage)
 _server_decoder = msgspec.msgpack.Decoder(ServerMessage)
 
 
-def encode(message: ClientMessage | ServerMessage) -> bytes:
-    return _encoder.encode(message)
+# Trailing fields each minor version appended, by struct: a peer that announced an older
+# minor never receives them (see `encode`).
+_APPENDED_IN_1: dict[type[_Message], int] = {Generate: 1, Usage: 1, Stats: 5}
+
+
+def encode(message: ClientMessage | ServerMessage, minor: int = PROTOCOL_MINOR) -> bytes:
+    """The frame for `message`, written for a peer of protocol minor version `minor`:
+    fields newer than that minor are left out (the peer takes the rest as before)."""
+    if minor >= 1:
+        return _encoder.encode(message)
+    return _encoder.encode(_as_minor_0(message))
+
+
+def _as_minor_0(message: _Message) -> list[object]:
+    values = [
+        _as_minor_0(v) if type(v) in _APPENDED_IN_1 else v for v in msgspec.structs.astuple(message)
+    ]
+    tag = message.__struct_config__.tag
+    kept = values[: len(values) - _APPENDED_IN_1.get(type(message), 0)]
+    return kept if tag is None else [tag, *kept]
 
 
 def decode_client(frame: bytes | memoryview) -> ClientMessage:

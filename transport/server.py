@@ -117,6 +117,7 @@ class _Session:
     terminals: list[p.Finished | p.Error] = field(default_factory=list)  # sent after deltas
     closed: bool = False  # dropped: nothing more is sent
     cancel_note: str | None = None  # why the server cancelled this session's requests
+    minor: int = p.PROTOCOL_MINOR  # the client's protocol minor: nothing newer is sent
 
 
 class Server:
@@ -231,9 +232,9 @@ class Server:
             if handle is not None:
                 handle.cancel()
         elif isinstance(msg, p.Ping):
-            self._send(session, p.encode(p.Pong(msg.nonce, self.state)))
+            self._send(session, p.encode(p.Pong(msg.nonce, self.state), session.minor))
         elif isinstance(msg, p.GetStats):
-            self._send(session, p.encode(self.stats()))
+            self._send(session, p.encode(self.stats(), session.minor))
         else:  # Bye
             self._drop(session)
 
@@ -241,7 +242,7 @@ class Server:
         self.frames_rejected += 1
         error = p.Error(p.ErrorCode.INVALID_REQUEST, why)
         if session is not None:
-            self._send(session, p.encode(error))
+            self._send(session, p.encode(error, session.minor))
         else:
             self._reply(identity, error)
 
@@ -269,6 +270,7 @@ class Server:
             self._drop(earlier, dead=True)
         self._numbers += 1
         session = _Session(identity, self._numbers, connection, time.monotonic())
+        session.minor = min(msg.minor, p.PROTOCOL_MINOR)
         self._sessions[identity] = self._by_connection[connection] = session
         cfg, model = self.config, self.model
         welcome = p.Welcome(
@@ -284,7 +286,7 @@ class Server:
             round(cfg.heartbeat_interval_s * 1000),
             round(cfg.heartbeat_timeout_s * 1000),
         )
-        self._send(session, p.encode(welcome))
+        self._send(session, p.encode(welcome, session.minor))
 
     def _generate(self, session: _Session, msg: p.Generate) -> None:
         rid = msg.request_id
@@ -302,16 +304,16 @@ class Server:
             why = f"{self.config.max_outstanding} requests outstanding; wait for one to end"
             error = p.Error(p.ErrorCode.BUSY, why, rid)
         if error is not None:
-            self._send(session, p.encode(error))
+            self._send(session, p.encode(error, session.minor))
             return
         request = mapping.to_request(msg, f"{session.number}/{rid}")
         try:
             handle = self.scheduler.submit(request, sink=partial(self._relay, session, rid))
         except (s.InvalidRequest, s.Rejected) as e:
-            self._send(session, p.encode(mapping.rejection(rid, e)))
+            self._send(session, p.encode(mapping.rejection(rid, e), session.minor))
             return
         session.requests[rid] = handle
-        self._send(session, p.encode(p.Accepted(rid, handle.prompt_tokens)))
+        self._send(session, p.encode(p.Accepted(rid, handle.prompt_tokens), session.minor))
 
     async def drain(self, timeout_s: float, linger_s: float = 2.0) -> bool:
         """Wait until every accepted request's terminal message has been handed to ZeroMQ
@@ -378,11 +380,11 @@ class Server:
             with self._sock.sending():
                 for session in dirty:
                     if session.deltas:
-                        self._send(session, p.encode(p.Deltas(session.deltas)))
+                        self._send(session, p.encode(p.Deltas(session.deltas), session.minor))
                         session.deltas = []
                     terminals, session.terminals = session.terminals, []
                     for terminal in terminals:
-                        self._send(session, p.encode(terminal))
+                        self._send(session, p.encode(terminal, session.minor))
 
     # -- sending ------------------------------------------------------------------------------
     def _send(self, session: _Session, payload: bytes) -> None:

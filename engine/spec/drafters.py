@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 import numpy as np
@@ -53,6 +53,13 @@ class Draft:
     q: mx.array | None = None  # None: each token is a point mass
 
 
+class DrafterState(Protocol):
+    """A drafter's state for one slot, as `Drafter.export` returns it."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
 class Drafter:
     """Base of all drafters; stateless drafters keep the no-op hooks."""
 
@@ -76,6 +83,14 @@ class Drafter:
 
     def release(self, slot: SlotId) -> None:
         """The slot's sequence ended; forget it."""
+
+    def export(self, slot: SlotId) -> DrafterState | None:
+        """What the drafter keeps for `slot`, to `adopt` in a slot restored from the same
+        pool snapshot (None: nothing)."""
+        return None
+
+    def adopt(self, slot: SlotId, state: DrafterState) -> None:
+        """Follow `slot` from a state `export` returned (its pool state was restored)."""
 
 
 class NgramDrafter(Drafter):
@@ -131,6 +146,20 @@ class _Tail:
     n: int = 0
 
 
+@dataclass(frozen=True)
+class _HostTail:
+    """A `_Tail` copied to host memory (`MTPDrafter.export`): hidden states `[n, E]`."""
+
+    start: int
+    n: int
+    hidden: np.ndarray | None = None
+    dtype: mx.Dtype = mx.float32
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.hidden is None else self.hidden.nbytes
+
+
 class MTPDrafter(Drafter):
     """Drafts with the model's MTP head, all slots of a step in one `runner.draft` per depth.
 
@@ -180,6 +209,22 @@ class MTPDrafter(Drafter):
 
     def release(self, slot: SlotId) -> None:
         self._tails.pop(slot, None)
+
+    def export(self, slot: SlotId) -> DrafterState | None:
+        t = self._tails.get(slot)
+        if t is None:
+            return None
+        if not t.hidden:
+            return _HostTail(t.start, t.n)
+        hidden = mx.concatenate(t.hidden, axis=0)
+        # To host memory; float32 holds every float16 / bfloat16 value exactly.
+        return _HostTail(t.start, t.n, np.array(hidden.astype(mx.float32)), hidden.dtype)
+
+    def adopt(self, slot: SlotId, state: DrafterState) -> None:
+        if not isinstance(state, _HostTail):
+            raise TypeError(f"slot {slot}: not an MTP drafter state: {type(state).__name__}")
+        hidden = [] if state.hidden is None else [mx.array(state.hidden).astype(state.dtype)]
+        self._tails[slot] = _Tail(state.start, hidden, state.n)
 
     def draft(self, jobs: Sequence[DraftJob]) -> list[Draft]:
         out = [Draft() for _ in jobs]

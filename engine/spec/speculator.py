@@ -34,7 +34,14 @@ from engine.runner import ModelRunner, Row, RowOutput
 from engine.sampling import RequestRng, SamplingParams, adjust_logits, distribution, sample
 from engine.spec.acceptance import accept
 from engine.spec.controller import MODES, CostController, Offer
-from engine.spec.drafters import Draft, Drafter, DraftJob, MTPDrafter, NgramDrafter
+from engine.spec.drafters import (
+    Draft,
+    Drafter,
+    DrafterState,
+    DraftJob,
+    MTPDrafter,
+    NgramDrafter,
+)
 
 
 class SpecError(ValueError):
@@ -195,6 +202,23 @@ class Speculator:
             d.release(slot)
         self.controller.forget(slot)
         return self._stats.pop(slot, SpecStats())
+
+    def export(self, slot: SlotId) -> dict[str, DrafterState]:
+        """The drafters' state for `slot`, by drafter name (for a snapshot of the slot)."""
+        states = {d.name: d.export(slot) for d in self.drafters}
+        return {name: s for name, s in states.items() if s is not None}
+
+    def adopt(
+        self, slot: SlotId, states: dict[str, DrafterState], speculation: str = "auto"
+    ) -> None:
+        """`slot` now holds a restored snapshot: start a new sequence there whose drafters
+        follow from `states` (an `export` of the snapshot's slot); its prefill goes on at
+        the snapshot's length."""
+        self.release(slot)
+        if speculation != "off" and self.max_draft:
+            for d in self.drafters:
+                if d.name in states:
+                    d.adopt(slot, states[d.name])
 
     def stats(self, slot: SlotId) -> SpecStats:
         stats = self._stats.get(slot)

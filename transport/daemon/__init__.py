@@ -104,6 +104,9 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
         max_queue=config.max_queue,
         memory_bytes=config.memory_budget,
         shutdown_grace_s=config.drain_timeout,
+        prefix_cache=None
+        if config.prefix_cache is None
+        else s.PrefixCacheConfig(config.prefix_cache, config.prefix_cache_interval),
     )
     scheduler = s.Scheduler(ModelRunner(model, pool), tokenizer, sched_config)
     return scheduler, ModelInfo.of(scheduler, config.model_name or path.stem)
