@@ -20,9 +20,9 @@ import argparse
 import dataclasses
 import os
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, quants
@@ -248,14 +248,18 @@ def _attention_tensors(spec: ModelSpec, p: str) -> list[_Tensor]:
     ]
 
 
+def _dense_ffn_tensors(p: str, E: int, n_ff: int) -> list[_Tensor]:
+    return [
+        _Tensor(p + "ffn_gate.weight", (n_ff, E), "matrix"),
+        _Tensor(p + "ffn_up.weight", (n_ff, E), "matrix"),
+        _Tensor(p + "ffn_down.weight", (E, n_ff), "ffn_out"),
+    ]
+
+
 def _ffn_tensors(spec: ModelSpec, p: str) -> list[_Tensor]:
     E = spec.n_embd
     if not spec.is_moe:
-        return [
-            _Tensor(p + "ffn_gate.weight", (spec.n_ff, E), "matrix"),
-            _Tensor(p + "ffn_up.weight", (spec.n_ff, E), "matrix"),
-            _Tensor(p + "ffn_down.weight", (E, spec.n_ff), "ffn_out"),
-        ]
+        return _dense_ffn_tensors(p, E, spec.n_ff)
     X, F, S = spec.n_expert, spec.n_ff_exp, spec.n_ff_shexp
     return [
         _Tensor(p + "ffn_gate_inp.weight", (X, E), "matrix", keep_f32=True),
@@ -278,7 +282,22 @@ def parameter_count(spec: ModelSpec) -> int:
 # Values and encodings.
 
 
-def _ggml_type(spec: ModelSpec, t: _Tensor) -> GGMLQuantizationType:
+class _Weights(Protocol):
+    """What drawing and encoding a file's tensors read from its spec (model or drafter)."""
+
+    @property
+    def seed(self) -> int: ...
+    @property
+    def n_layer(self) -> int: ...
+    @property
+    def tied_embeddings(self) -> bool: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def quant(self) -> str: ...
+
+
+def _ggml_type(spec: _Weights, t: _Tensor) -> GGMLQuantizationType:
     """§12: 1-D tensors, norms, conv taps and the router stay F32; matrices take `spec.quant`."""
     if t.keep_f32 or len(t.shape) == 1:
         return GGMLQuantizationType.F32
@@ -290,7 +309,7 @@ def _ggml_type(spec: ModelSpec, t: _Tensor) -> GGMLQuantizationType:
 
 
 def _values(
-    spec: ModelSpec, t: _Tensor, weights: Mapping[str, np.ndarray] | None = None
+    spec: _Weights, t: _Tensor, weights: Mapping[str, np.ndarray] | None = None
 ) -> Iterator[np.ndarray]:
     """The float32 weights of `t`, in chunks along axis 0 (one generator stream per tensor);
     `weights[t.name]` instead when `weights` is given (a trained model)."""
@@ -408,25 +427,32 @@ def _nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
 # The file.
 
 
-def _add_metadata(w: GGUFWriter, spec: ModelSpec, vocab: Vocab) -> None:
-    Hv, dk = spec.ssm_time_step_rank, spec.ssm_state_size
+def _add_layer_metadata(
+    w: GGUFWriter, spec: ModelSpec | DFlashSpec, n_blocks: int, rms_eps: float, rope_dim: int
+) -> None:
+    """Name, file type and the attention / FFN dimensions a model and a drafter share."""
     w.add_name(spec.name)
     w.add_file_type(QUANT_TYPES[spec.quant][1])
     if spec.quant not in ("f32", "f16", "bf16"):
         w.add_quantization_version(2)
-    w.add_block_count(spec.n_layer_all)
-    if spec.mtp:
-        w.add_nextn_predict_layers(1)
-    w.add_context_length(spec.context_length)
+    w.add_block_count(n_blocks)
     w.add_embedding_length(spec.n_embd)
     w.add_feed_forward_length(spec.n_ff)
     w.add_head_count(spec.n_head)
     w.add_head_count_kv(spec.n_head_kv)
     w.add_key_length(spec.head_dim)
     w.add_value_length(spec.head_dim)
-    w.add_layer_norm_rms_eps(spec.rms_eps)
+    w.add_layer_norm_rms_eps(rms_eps)
     w.add_rope_freq_base(spec.rope_base)
-    w.add_rope_dimension_count(spec.rope_dim)
+    w.add_rope_dimension_count(rope_dim)
+
+
+def _add_metadata(w: GGUFWriter, spec: ModelSpec, vocab: Vocab) -> None:
+    Hv, dk = spec.ssm_time_step_rank, spec.ssm_state_size
+    _add_layer_metadata(w, spec, spec.n_layer_all, spec.rms_eps, spec.rope_dim)
+    if spec.mtp:
+        w.add_nextn_predict_layers(1)
+    w.add_context_length(spec.context_length)
     if spec.arch != "qwen3next":
         w.add_rope_dimension_sections(list(spec.rope_sections))
     w.add_full_attention_interval(spec.full_attention_interval)
@@ -463,14 +489,26 @@ def write_model(
     the random initialisation, for exporting a trained model. Tensors are streamed one at a
     time, so memory stays near the largest encoded tensor.
     """
-    missing = sorted({t.name for t in _plan(spec)} - set(weights or ())) if weights else []
+    vocab = build_vocab(spec.vocab_size, spec.n_vocab)
+    _write(path, spec.arch, spec, _plan(spec), weights, lambda w: _add_metadata(w, spec, vocab))
+
+
+def _write(
+    path: str | os.PathLike[str],
+    arch: str,
+    spec: _Weights,
+    tensors: list[_Tensor],
+    weights: Mapping[str, np.ndarray] | None,
+    add_metadata: Callable[[GGUFWriter], None],
+) -> None:
+    """Stream a GGUF file: metadata, then each tensor of `tensors` (drawn or from `weights`)."""
+    missing = sorted({t.name for t in tensors} - set(weights or ())) if weights else []
     if missing:
         raise KeyError(f"weights lack {len(missing)} tensors of the file: {', '.join(missing[:5])}")
-    vocab = build_vocab(spec.vocab_size, spec.n_vocab)
-    plan = [(t, _ggml_type(spec, t)) for t in _plan(spec)]
-    writer = GGUFWriter(path, spec.arch)
+    plan = [(t, _ggml_type(spec, t)) for t in tensors]
+    writer = GGUFWriter(path, arch)
     try:
-        _add_metadata(writer, spec, vocab)
+        add_metadata(writer)
         for t, qtype in plan:
             writer.add_tensor_info(
                 t.name, t.shape, np.dtype(np.float32), _nbytes(t.shape, qtype), raw_dtype=qtype
@@ -483,6 +521,116 @@ def write_model(
             writer.write_tensor_data(data)
     finally:
         writer.close()
+
+
+# ------------------------------------------------------------------------------------------
+# DFlash block drafters (engine/spec/dflash.py reads them).
+
+
+@dataclass(frozen=True)
+class DFlashSpec:
+    """A DFlash drafter for the model of `target`: its hidden size, vocabulary and norm
+    epsilon follow the target; `target_layers` are trunk layers of it. `mask_token_id`
+    None takes the target vocabulary's end-of-text token (a random target has no MASK)."""
+
+    target: ModelSpec = _TINY
+    n_layer: int = 1
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 16
+    n_ff: int = 128
+    rope_base: float = 1_000_000.0
+    block_size: int = 8
+    mask_token_id: int | None = None
+    target_layers: tuple[int, ...] = (1, 3)
+    quant: str = "f32"
+    seed: int = 0
+    name: str = "tiny-dflash"
+
+    def __post_init__(self) -> None:
+        ok = (
+            self.block_size >= 2
+            and self.n_layer >= 1
+            and self.n_head % self.n_head_kv == 0
+            and bool(self.target_layers)
+            and all(0 <= i < self.target.n_layer for i in self.target_layers)
+        )
+        if not ok:
+            raise ValueError(
+                f"DFlashSpec {self.name!r}: need block_size >= 2, a layer, n_head a multiple "
+                f"of n_head_kv and target layers within the target's {self.target.n_layer}"
+            )
+
+    @property
+    def n_embd(self) -> int:
+        return self.target.n_embd
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.vocab_size
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return False
+
+    @property
+    def mask(self) -> int:
+        if self.mask_token_id is not None:
+            return self.mask_token_id
+        return build_vocab(self.target.vocab_size, self.target.n_vocab).pad_id
+
+
+DFLASH_PRESETS: dict[str, DFlashSpec] = {
+    "tiny": DFlashSpec(),
+    "demo": DFlashSpec(
+        target=PRESETS["demo"], n_layer=2, head_dim=64, n_ff=768, block_size=16,
+        target_layers=(1, 3, 5, 7), name="demo-dflash"),
+}  # fmt: skip
+
+
+def _dflash_plan(spec: DFlashSpec) -> list[_Tensor]:
+    E, H, Hkv, D = spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim
+    plan = [
+        _Tensor("fc.weight", (E, len(spec.target_layers) * E), "matrix"),
+        _Tensor("hidden_norm.weight", (E,), "norm"),
+        _Tensor("output_norm.weight", (E,), "norm"),
+    ]
+    for i in range(spec.n_layer):
+        p = f"blk.{i}."
+        plan += [
+            _Tensor(p + "attn_norm.weight", (E,), "norm"),
+            _Tensor(p + "attn_q.weight", (H * D, E), "matrix"),
+            _Tensor(p + "attn_k.weight", (Hkv * D, E), "matrix"),
+            _Tensor(p + "attn_v.weight", (Hkv * D, E), "matrix"),
+            _Tensor(p + "attn_q_norm.weight", (D,), "norm"),
+            _Tensor(p + "attn_k_norm.weight", (D,), "norm"),
+            _Tensor(p + "attn_output.weight", (E, H * D), "out"),
+            _Tensor(p + "post_attention_norm.weight", (E,), "norm"),
+            *_dense_ffn_tensors(p, E, spec.n_ff),
+        ]
+    return plan
+
+
+def write_dflash(
+    path: str | os.PathLike[str],
+    spec: DFlashSpec,
+    weights: Mapping[str, np.ndarray] | None = None,
+) -> None:
+    """Write `spec` as a DFlash drafter GGUF (architecture `dflash`) at `path`.
+
+    Metadata `dflash.*`: the layer dimensions, `block_size`, `mask_token_id`,
+    `target_layers` and the target's `vocab_size`. `weights` replaces the random
+    initialisation (a trained drafter), as for `write_model`.
+    """
+
+    def metadata(w: GGUFWriter) -> None:
+        _add_layer_metadata(w, spec, spec.n_layer, spec.target.rms_eps, spec.head_dim)
+        w.add_uint32("dflash.block_size", spec.block_size)
+        w.add_uint32("dflash.mask_token_id", spec.mask)
+        w.add_array("dflash.target_layers", list(spec.target_layers))
+        w.add_uint32("dflash.vocab_size", spec.target.n_tokens)
+
+    _write(path, "dflash", spec, _dflash_plan(spec), weights, metadata)
 
 
 # ------------------------------------------------------------------------------------------
