@@ -427,8 +427,29 @@ def _nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
 # The file.
 
 
+class _Layers(Protocol):
+    """The layer dimensions a model's and a DFlash drafter's metadata share."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def quant(self) -> str: ...
+    @property
+    def n_embd(self) -> int: ...
+    @property
+    def n_ff(self) -> int: ...
+    @property
+    def n_head(self) -> int: ...
+    @property
+    def n_head_kv(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def rope_base(self) -> float: ...
+
+
 def _add_layer_metadata(
-    w: GGUFWriter, spec: ModelSpec | DFlashSpec, n_blocks: int, rms_eps: float, rope_dim: int
+    w: GGUFWriter, spec: _Layers, n_blocks: int, rms_eps: float, rope_dim: int
 ) -> None:
     """Name, file type and the attention / FFN dimensions a model and a drafter share."""
     w.add_name(spec.name)
@@ -521,116 +542,6 @@ def _write(
             writer.write_tensor_data(data)
     finally:
         writer.close()
-
-
-# ------------------------------------------------------------------------------------------
-# DFlash block drafters (engine/spec/dflash.py reads them).
-
-
-@dataclass(frozen=True)
-class DFlashSpec:
-    """A DFlash drafter for the model of `target`: its hidden size, vocabulary and norm
-    epsilon follow the target; `target_layers` are trunk layers of it. `mask_token_id`
-    None takes the target vocabulary's end-of-text token (a random target has no MASK)."""
-
-    target: ModelSpec = _TINY
-    n_layer: int = 1
-    n_head: int = 4
-    n_head_kv: int = 2
-    head_dim: int = 16
-    n_ff: int = 128
-    rope_base: float = 1_000_000.0
-    block_size: int = 8
-    mask_token_id: int | None = None
-    target_layers: tuple[int, ...] = (1, 3)
-    quant: str = "f32"
-    seed: int = 0
-    name: str = "tiny-dflash"
-
-    def __post_init__(self) -> None:
-        ok = (
-            self.block_size >= 2
-            and self.n_layer >= 1
-            and self.n_head % self.n_head_kv == 0
-            and bool(self.target_layers)
-            and all(0 <= i < self.target.n_layer for i in self.target_layers)
-        )
-        if not ok:
-            raise ValueError(
-                f"DFlashSpec {self.name!r}: need block_size >= 2, a layer, n_head a multiple "
-                f"of n_head_kv and target layers within the target's {self.target.n_layer}"
-            )
-
-    @property
-    def n_embd(self) -> int:
-        return self.target.n_embd
-
-    @property
-    def vocab_size(self) -> int:
-        return self.target.vocab_size
-
-    @property
-    def tied_embeddings(self) -> bool:
-        return False
-
-    @property
-    def mask(self) -> int:
-        if self.mask_token_id is not None:
-            return self.mask_token_id
-        return build_vocab(self.target.vocab_size, self.target.n_vocab).pad_id
-
-
-DFLASH_PRESETS: dict[str, DFlashSpec] = {
-    "tiny": DFlashSpec(),
-    "demo": DFlashSpec(
-        target=PRESETS["demo"], n_layer=2, head_dim=64, n_ff=768, block_size=16,
-        target_layers=(1, 3, 5, 7), name="demo-dflash"),
-}  # fmt: skip
-
-
-def _dflash_plan(spec: DFlashSpec) -> list[_Tensor]:
-    E, H, Hkv, D = spec.n_embd, spec.n_head, spec.n_head_kv, spec.head_dim
-    plan = [
-        _Tensor("fc.weight", (E, len(spec.target_layers) * E), "matrix"),
-        _Tensor("hidden_norm.weight", (E,), "norm"),
-        _Tensor("output_norm.weight", (E,), "norm"),
-    ]
-    for i in range(spec.n_layer):
-        p = f"blk.{i}."
-        plan += [
-            _Tensor(p + "attn_norm.weight", (E,), "norm"),
-            _Tensor(p + "attn_q.weight", (H * D, E), "matrix"),
-            _Tensor(p + "attn_k.weight", (Hkv * D, E), "matrix"),
-            _Tensor(p + "attn_v.weight", (Hkv * D, E), "matrix"),
-            _Tensor(p + "attn_q_norm.weight", (D,), "norm"),
-            _Tensor(p + "attn_k_norm.weight", (D,), "norm"),
-            _Tensor(p + "attn_output.weight", (E, H * D), "out"),
-            _Tensor(p + "post_attention_norm.weight", (E,), "norm"),
-            *_dense_ffn_tensors(p, E, spec.n_ff),
-        ]
-    return plan
-
-
-def write_dflash(
-    path: str | os.PathLike[str],
-    spec: DFlashSpec,
-    weights: Mapping[str, np.ndarray] | None = None,
-) -> None:
-    """Write `spec` as a DFlash drafter GGUF (architecture `dflash`) at `path`.
-
-    Metadata `dflash.*`: the layer dimensions, `block_size`, `mask_token_id`,
-    `target_layers` and the target's `vocab_size`. `weights` replaces the random
-    initialisation (a trained drafter), as for `write_model`.
-    """
-
-    def metadata(w: GGUFWriter) -> None:
-        _add_layer_metadata(w, spec, spec.n_layer, spec.target.rms_eps, spec.head_dim)
-        w.add_uint32("dflash.block_size", spec.block_size)
-        w.add_uint32("dflash.mask_token_id", spec.mask)
-        w.add_array("dflash.target_layers", list(spec.target_layers))
-        w.add_uint32("dflash.vocab_size", spec.target.n_tokens)
-
-    _write(path, "dflash", spec, _dflash_plan(spec), weights, metadata)
 
 
 # ------------------------------------------------------------------------------------------

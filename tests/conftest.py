@@ -3,7 +3,7 @@
 * `make_model(preset="tiny", **overrides) -> Path` (session fixture): writes the preset with
   `ModelSpec` field overrides into a session tmp dir, once per distinct spec.
 * `make_dflash(preset="tiny", **overrides) -> Path` (session fixture): a random DFlash
-  drafter (`engine.writer.DFLASH_PRESETS`, `DFlashSpec` overrides), once per distinct spec.
+  drafter (`engine.dflash_writer.DFLASH_PRESETS`, `DFlashSpec` overrides), once per distinct spec.
 * `tiny_qwen35`, `tiny_qwen35moe`, `tiny_qwen3next`: paths of the three tiny presets.
 * `llama_cpp_model(path, **kw)`: a `llama_cpp.Llama` loaded the way our parity tests need it
   (import it with `from conftest import llama_cpp_model`).
@@ -21,7 +21,8 @@ from typing import Any
 
 import pytest
 
-from engine.writer import DFLASH_PRESETS, DFlashSpec, ModelSpec, preset, write_dflash, write_model
+from engine.dflash_writer import DFLASH_PRESETS, DFlashSpec, write_dflash
+from engine.writer import ModelSpec, preset, write_model
 
 HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 

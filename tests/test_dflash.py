@@ -12,6 +12,7 @@ import pytest
 from gguf import GGUFWriter
 
 from engine.cache import SlotId, SlotPool
+from engine.dflash_writer import DFlashSpec, write_dflash
 from engine.gguf import (
     MissingMetadataError,
     NotGGUFError,
@@ -22,7 +23,6 @@ from engine.models.qwen35 import Model, load_model, rms_norm
 from engine.runner import ModelRunner, Row
 from engine.spec.dflash import DFlashTargetMismatchError, load_dflash, read_config
 from engine.spec.drafters import DFlashDrafter
-from engine.writer import DFLASH_PRESETS, DFlashSpec, preset
 
 TAPS = (1, 3)
 
@@ -41,7 +41,7 @@ def test_the_file_carries_the_drafters_configuration(drafter_path: Path) -> None
     cfg = read_config(TensorFile(drafter_path))
     spec = DFlashSpec(n_layer=2, target_layers=TAPS)
     assert (cfg.block_size, cfg.target_layers, cfg.n_layer) == (8, TAPS, 2)
-    assert (cfg.n_embd, cfg.n_vocab, cfg.mask_token_id) == (64, 512, spec.mask)
+    assert (cfg.n_embd, cfg.n_vocab, cfg.mask_token_id) == (64, 512, spec.mask_token_id)
     assert (cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff) == (4, 2, 16, 128)
 
 
@@ -195,7 +195,13 @@ def test_a_slot_it_did_not_follow_from_the_start_gets_no_drafts(
     assert not drafter.needs_hidden(slot)
 
 
-def test_the_demo_preset_fits_the_demo_model() -> None:
-    spec, demo = DFLASH_PRESETS["demo"], preset("demo")
-    assert spec.n_embd == demo.n_embd and spec.mask < demo.vocab_size
-    assert max(spec.target_layers) < demo.n_layer
+def test_a_drafter_made_for_a_target_file_loads_with_it(
+    tmp_path: Path, make_model: Callable[..., Path]
+) -> None:
+    path = make_model("tiny", quant="f32", n_layer=6, n_embd=32, ssm_state_size=8, vocab_size=300)
+    spec = DFlashSpec.for_file(path, n_layer=2)
+    assert spec.target_layers == (1, 2, 4, 5) and spec.n_embd == 32
+    write_dflash(tmp_path / "d.gguf", spec)
+    drafter = load_dflash(tmp_path / "d.gguf", load_model(path))
+    assert drafter.config.target_layers == spec.target_layers
+    assert drafter.config.n_vocab == 300 and drafter.config.mask_token_id == spec.mask_token_id

@@ -73,7 +73,7 @@ def read_config(f: TensorFile) -> DFlashConfig:
     if arch != ARCH:
         raise UnsupportedArchitectureError(
             f"{f.path}: architecture {arch!r} is not a DFlash drafter (expected {ARCH!r}; "
-            "write one with engine.writer.write_dflash)"
+            "write one with engine.dflash_writer.write_dflash)"
         )
 
     def key(name: str) -> Any:
