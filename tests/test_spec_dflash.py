@@ -123,6 +123,29 @@ def test_rejected_drafts_leave_the_context_as_if_only_accepted_tokens_were_fed(
             )
 
 
+@pytest.mark.parametrize("max_backlog", [4, 256])
+def test_a_full_backlog_is_caught_up_in_a_step_that_does_not_draft(
+    model: Model, dflash: DFlashModel, max_backlog: int
+) -> None:
+    spec = speculator(model, dflash, "", 1)
+    drafter = spec.drafters[0]
+    assert isinstance(drafter, DFlashDrafter)
+    drafter.max_backlog = max_backlog
+    slot = spec.runner.pool.allocate()
+    prompt = prompts(1, 5)[0]
+    row = spec.prefill_row(slot, prompt, 0, "on")
+    spec.prefilled(row, spec.runner.step([row]).rows[0])
+    d = DecodingSlot(slot, 7, [*prompt, 7], GREEDY, RequestRng(0), "on", max_draft=0)
+    rows = spec.plan([d])
+    assert rows[0].tokens == [7] and rows[0].taps == drafter.layers
+    caught_up = len(prompt) if len(prompt) >= max_backlog else 0
+    assert drafter.pool.lengths[slot] == caught_up
+    committed = spec.resolve([d], spec.runner.step(rows).rows)[0]
+    d.history += committed.tokens
+    d.pending = committed.tokens[-1]
+    assert drafter.available(d, len(prompt) + 1) == dflash.config.block_size - 1  # in step
+
+
 @pytest.fixture(scope="module")
 def dflash_q(model: Model, dflash: DFlashModel) -> tuple[mx.array, mx.array, SamplingParams]:
     """(target p `[3, V]`, the DFlash drafter's own q `[2, V]` of its first two drafts,
