@@ -21,6 +21,11 @@ nothing (the head never learned to predict its trunk); it is measured anyway.
 
     python bench/spec_decode.py [--preset tiny | --model FILE.gguf] [--n 1,8] [--gen 64]
                                 [--repeats 3] [--device cpu|gpu] [--compile]
+                                [--dflash FILE.gguf | random]
+
+`--dflash FILE.gguf` adds a DFlash drafter made for the model ("dflash" auto and on;
+`--dflash random` writes a random one, which only shows what drafting costs); give it
+`--k` up to its block size - 1.
 
 `--model` takes any qwen35 GGUF with an MTP block (the trained demo model of issue 8);
 the table ends with issue 9's targets (auto mode: >= 1.6x plain at N = 1, >= 1.25x at
@@ -44,10 +49,12 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cache import SlotPool
+from engine.dflash_writer import DFlashSpec, write_dflash
 from engine.generate import greedy_tokens
 from engine.models.qwen35 import Model, load_model
 from engine.runner import ModelRunner
-from engine.spec.drafters import Drafter, MTPDrafter, NgramDrafter
+from engine.spec.dflash import DFlashModel, load_dflash
+from engine.spec.drafters import DFlashDrafter, Drafter, MTPDrafter, NgramDrafter
 from engine.spec.offline import Request, Run, generate
 from engine.spec.speculator import Speculator
 from engine.writer import preset
@@ -82,7 +89,9 @@ def prompt_sets(model: Model, n: int, gen: int) -> dict[str, list[list[int]]]:
     raise SystemExit(f"{n} looping prompts not found in {100 * n}; try the tied tiny preset")
 
 
-def speculator(model: Model, drafter: str, n: int, args: argparse.Namespace) -> Speculator:
+def speculator(
+    model: Model, drafter: str, n: int, args: argparse.Namespace, dflash: DFlashModel | None
+) -> Speculator:
     """One engine per configuration, kept across its runs as a server keeps it."""
     context = 64 + args.gen + args.k + 1
     pool = SlotPool(model.config, n, context, mx.float32, max_draft=args.k)
@@ -92,19 +101,26 @@ def speculator(model: Model, drafter: str, n: int, args: argparse.Namespace) -> 
         drafters.append(NgramDrafter())
     elif drafter == "mtp":
         drafters.append(MTPDrafter(runner))
+    elif drafter == "dflash" and dflash is not None:
+        drafters.append(DFlashDrafter(runner, dflash))
     return Speculator(runner, args.k, drafters)
 
 
 def measure(
-    model: Model, text: str, prompts: list[list[int]], args: argparse.Namespace
+    model: Model,
+    text: str,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    dflash: DFlashModel | None = None,
 ) -> list[dict[str, object]]:
-    specs = {c: speculator(model, c[0], len(prompts), args) for c in CONFIGS}
-    requests = {c: [Request(p, args.gen, speculation=c[1]) for p in prompts] for c in CONFIGS}
-    runs: dict[tuple[str, str], list[Run]] = {c: [] for c in CONFIGS}
-    for c in CONFIGS:  # warm-up: kernel builds, allocations and the controller's first steps
+    configs = CONFIGS + ([("dflash", "auto"), ("dflash", "on")] if dflash else [])
+    specs = {c: speculator(model, c[0], len(prompts), args, dflash) for c in configs}
+    requests = {c: [Request(p, args.gen, speculation=c[1]) for p in prompts] for c in configs}
+    runs: dict[tuple[str, str], list[Run]] = {c: [] for c in configs}
+    for c in configs:  # warm-up: kernel builds, allocations and the controller's first steps
         generate(specs[c], requests[c])
     for _ in range(args.repeats):
-        for c in CONFIGS:
+        for c in configs:
             runs[c].append(generate(specs[c], requests[c]))
     plain = statistics.median(r.decode_s for r in runs[("plain", "off")])
     plain_busy = statistics.median(r.busy_tokens / r.busy_s for r in runs[("plain", "off")])
@@ -186,6 +202,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--device", choices=["default", "cpu", "gpu"], default="default")
     ap.add_argument("--compile", action="store_true", help="mx.compile the runner's step")
+    ap.add_argument("--dflash", help="a DFlash drafter GGUF for the model, or 'random'")
     args = ap.parse_args()
     if args.device != "default":
         mx.set_default_device(mx.cpu if args.device == "cpu" else mx.gpu)
@@ -193,13 +210,20 @@ def main() -> None:
         args.preset, preset(args.preset).quant, tied_embeddings=not args.untied
     )
     model = load_model(path)
+    dflash = None
+    if args.dflash == "random":
+        OUT.mkdir(parents=True, exist_ok=True)
+        write_dflash(OUT / "dflash-random.gguf", DFlashSpec.for_file(path, block_size=args.k + 1))
+        dflash = load_dflash(OUT / "dflash-random.gguf", model)
+    elif args.dflash:
+        dflash = load_dflash(args.dflash, model)
     ns = [int(x) for x in args.n.split(",")]
     sets = prompt_sets(model, max(ns), args.gen)
     rows = [
         r
         for n in ns
         for text, prompts in sets.items()
-        for r in measure(model, text, prompts[:n], args)
+        for r in measure(model, text, prompts[:n], args, dflash)
     ]
     print(table(rows))
     print("\n" + targets(rows))

@@ -137,8 +137,8 @@ class ModelConfig:
         return 4 * self.n_linear_layers * (conv + rec)
 
 
-class GGUFFile:
-    """An open GGUF model file: `metadata`, `config`, and tensors loaded on demand.
+class TensorFile:
+    """An open GGUF file of any architecture: `metadata` and tensors loaded on demand.
 
     `quantized=False` makes every `load` dequantize to float, so a model built on the file
     runs its float forward over exactly the weights the quantized one sees (the reference
@@ -156,7 +156,6 @@ class GGUFFile:
         }
         self._tensors = {t.name: t for t in self._reader.tensors}
         self._check_bounds()
-        self.config = _read_config(self.path, self.metadata)
 
     # -- metadata ---------------------------------------------------------------------------
     def get(self, key: str, default: Any = None) -> Any:
@@ -234,6 +233,14 @@ class GGUFFile:
                     f"{self.path}: truncated: tensor {t.name} needs bytes up to "
                     f"{t.data_offset + t.n_bytes} but the file has {size}"
                 )
+
+
+class GGUFFile(TensorFile):
+    """An open Qwen3.5-family model file: a `TensorFile` with its frozen `config`."""
+
+    def __init__(self, path: str | os.PathLike[str], *, quantized: bool = True) -> None:
+        super().__init__(path, quantized=quantized)
+        self.config = _read_config(self.path, self.metadata)
 
 
 def _open_reader(path: Path) -> gguf.GGUFReader:

@@ -32,6 +32,8 @@ class Row:
 
     `want`: indices within the row whose logits are returned (default: the last).
     `want_hidden`: also return the post-norm hidden states at `want` (the MTP drafter's input).
+    `taps`: also return the outputs of these trunk layers at `want`, side by side (what a
+    DFlash drafter is conditioned on).
     `capture`: keep the linear-layer state after every position, for `SlotPool.rollback`.
     """
 
@@ -41,6 +43,7 @@ class Row:
     capture: bool = False
     want: Sequence[int] | None = None
     want_hidden: bool = False
+    taps: tuple[int, ...] = ()
 
     @property
     def wanted(self) -> list[int]:
@@ -63,21 +66,23 @@ where this row's begin, how many it has)."""
 
 
 class RowOutput:
-    """One row's outputs: `logits [len(want), vocab]` float32 and `hidden [len(want), E]`
-    when asked. The runner makes them as views of the step's `packed` arrays, sliced only
-    when read: a caller may take many neighbouring rows at once from `packed` instead."""
+    """One row's outputs: `logits [len(want), vocab]` float32, `hidden [len(want), E]` and
+    `taps [len(want), len(row.taps) * E]` when asked. The runner makes logits and hidden as
+    views of the step's `packed` arrays, sliced only when read: a caller may take many
+    neighbouring rows at once from `packed` instead."""
 
-    __slots__ = ("_hidden", "_logits", "packed")
+    __slots__ = ("_hidden", "_logits", "packed", "taps")
 
     def __init__(
         self,
         logits: mx.array | None = None,
         hidden: mx.array | None = None,
         packed: Packed | None = None,
+        taps: mx.array | None = None,
     ) -> None:
         if logits is None and packed is None:
             raise ValueError("a RowOutput needs its logits or the packed arrays they lie in")
-        self._logits, self._hidden, self.packed = logits, hidden, packed
+        self._logits, self._hidden, self.packed, self.taps = logits, hidden, packed, taps
 
     @property
     def logits(self) -> mx.array:
@@ -136,6 +141,7 @@ class ModelRunner:
         capture = [r.capture for r in batch]
         self.pool.check_rows(slots, starts, lengths, capture)
         self.last_tokens = sum(lengths)
+        taps = self._taps(batch)
 
         layout = Layout.build(lengths, starts, capture)
         past = min(self.pool.max_context, -(-max(starts) // self.PAST_BUCKET) * self.PAST_BUCKET)
@@ -155,27 +161,48 @@ class ModelRunner:
             len(picked),
             past,
             int(tok_slot.shape[0]),
+            taps,
         )
-        fn = self._forward_fn(key, layout)
+        fn = self._forward_fn(key, layout, taps)
         # The pool is read and written outside the compiled graph: eager scatters update
         # it in place, while a compiled graph would copy every state array each step.
-        logits, hidden, new, captures = fn(inputs, self.pool.read(slots, past))
+        logits, hidden, new, captures, tapped_list = fn(inputs, self.pool.read(slots, past))
         self.last_host_s = time.perf_counter() - t0  # building inputs and the graph
         # Compute everything before touching the pool: a step that fails here (bad
         # input, device fault) leaves every slot exactly as it was.
-        mx.eval(logits, hidden, new, captures)
+        mx.eval(logits, hidden, new, captures, tapped_list)
+        tapped = tapped_list[0] if tapped_list else None
         self.pool.write(slots, tok_slot, tok_pos, new)
         mx.eval(self.pool.k, self.pool.v, self.pool.conv, self.pool.ssm)
         self.pool.commit(slots, starts, lengths, _unflatten_captures(self.model, layout, captures))
 
         out, at = StepOutput(), 0
+        E = self.model.config.n_embd
         for r in batch:
             n = len(r.wanted)
-            out.rows.append(RowOutput(packed=(logits, hidden if r.want_hidden else None, at, n)))
+            row_taps = None
+            if r.taps and tapped is not None:
+                row_taps = tapped[at : at + n]
+                if r.taps != taps:  # this row's layers out of the batch's union
+                    row_taps = mx.concatenate(
+                        [row_taps[:, taps.index(i) * E : (taps.index(i) + 1) * E] for i in r.taps],
+                        axis=-1,
+                    )
+            hid = hidden if r.want_hidden else None
+            out.rows.append(RowOutput(packed=(logits, hid, at, n), taps=row_taps))
             at += n
         return out
 
-    def _forward_fn(self, key: tuple[object, ...], layout: Layout) -> Callable[..., Any]:
+    def _taps(self, batch: Sequence[Row]) -> tuple[int, ...]:
+        """The trunk layers any row taps, in order; raises on a layer the model lacks."""
+        taps = tuple(sorted({i for r in batch for i in r.taps}))
+        if taps and not 0 <= taps[0] <= taps[-1] < len(self.model.layers):
+            raise BatchError(f"taps {taps} outside the trunk's {len(self.model.layers)} layers")
+        return taps
+
+    def _forward_fn(
+        self, key: tuple[object, ...], layout: Layout, taps: tuple[int, ...]
+    ) -> Callable[..., Any]:
         fn = self._compiled.get(key)
         if fn is not None:
             return fn
@@ -183,15 +210,16 @@ class ModelRunner:
 
         def forward(
             inputs: list[mx.array], stacked: list[mx.array]
-        ) -> tuple[mx.array, mx.array, list[mx.array], list[mx.array]]:
+        ) -> tuple[mx.array, mx.array, list[mx.array], list[mx.array], list[mx.array]]:
             tokens, picked, *layout_arrays = inputs
             lay = layout.with_arrays(layout_arrays)
             states = SlotPool.split_states(config, stacked)
-            hidden, new_states, captures = model(tokens, lay, states)
+            hidden, new_states, captures, tapped = model(tokens, lay, states, taps)
             h = hidden[picked]
             flat = [a for c in captures if c is not None for a in (c.windows, c.states)]
             new = SlotPool.stack_states(lay, new_states)
-            return model.logits(h).astype(mx.float32), h, new, flat
+            t = [] if tapped is None else [tapped[picked]]  # a list: compiled graphs return no None
+            return model.logits(h).astype(mx.float32), h, new, flat, t
 
         fn = mx.compile(forward) if self.compile else forward
         self._compiled[key] = fn

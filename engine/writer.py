@@ -20,9 +20,9 @@ import argparse
 import dataclasses
 import os
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, quants
@@ -248,14 +248,18 @@ def _attention_tensors(spec: ModelSpec, p: str) -> list[_Tensor]:
     ]
 
 
+def _dense_ffn_tensors(p: str, E: int, n_ff: int) -> list[_Tensor]:
+    return [
+        _Tensor(p + "ffn_gate.weight", (n_ff, E), "matrix"),
+        _Tensor(p + "ffn_up.weight", (n_ff, E), "matrix"),
+        _Tensor(p + "ffn_down.weight", (E, n_ff), "ffn_out"),
+    ]
+
+
 def _ffn_tensors(spec: ModelSpec, p: str) -> list[_Tensor]:
     E = spec.n_embd
     if not spec.is_moe:
-        return [
-            _Tensor(p + "ffn_gate.weight", (spec.n_ff, E), "matrix"),
-            _Tensor(p + "ffn_up.weight", (spec.n_ff, E), "matrix"),
-            _Tensor(p + "ffn_down.weight", (E, spec.n_ff), "ffn_out"),
-        ]
+        return _dense_ffn_tensors(p, E, spec.n_ff)
     X, F, S = spec.n_expert, spec.n_ff_exp, spec.n_ff_shexp
     return [
         _Tensor(p + "ffn_gate_inp.weight", (X, E), "matrix", keep_f32=True),
@@ -278,7 +282,22 @@ def parameter_count(spec: ModelSpec) -> int:
 # Values and encodings.
 
 
-def _ggml_type(spec: ModelSpec, t: _Tensor) -> GGMLQuantizationType:
+class _Weights(Protocol):
+    """What drawing and encoding a file's tensors read from its spec (model or drafter)."""
+
+    @property
+    def seed(self) -> int: ...
+    @property
+    def n_layer(self) -> int: ...
+    @property
+    def tied_embeddings(self) -> bool: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def quant(self) -> str: ...
+
+
+def _ggml_type(spec: _Weights, t: _Tensor) -> GGMLQuantizationType:
     """§12: 1-D tensors, norms, conv taps and the router stay F32; matrices take `spec.quant`."""
     if t.keep_f32 or len(t.shape) == 1:
         return GGMLQuantizationType.F32
@@ -290,7 +309,7 @@ def _ggml_type(spec: ModelSpec, t: _Tensor) -> GGMLQuantizationType:
 
 
 def _values(
-    spec: ModelSpec, t: _Tensor, weights: Mapping[str, np.ndarray] | None = None
+    spec: _Weights, t: _Tensor, weights: Mapping[str, np.ndarray] | None = None
 ) -> Iterator[np.ndarray]:
     """The float32 weights of `t`, in chunks along axis 0 (one generator stream per tensor);
     `weights[t.name]` instead when `weights` is given (a trained model)."""
@@ -408,25 +427,53 @@ def _nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
 # The file.
 
 
-def _add_metadata(w: GGUFWriter, spec: ModelSpec, vocab: Vocab) -> None:
-    Hv, dk = spec.ssm_time_step_rank, spec.ssm_state_size
+class _Layers(Protocol):
+    """The layer dimensions a model's and a DFlash drafter's metadata share."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def quant(self) -> str: ...
+    @property
+    def n_embd(self) -> int: ...
+    @property
+    def n_ff(self) -> int: ...
+    @property
+    def n_head(self) -> int: ...
+    @property
+    def n_head_kv(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def rope_base(self) -> float: ...
+
+
+def _add_layer_metadata(
+    w: GGUFWriter, spec: _Layers, n_blocks: int, rms_eps: float, rope_dim: int
+) -> None:
+    """Name, file type and the attention / FFN dimensions a model and a drafter share."""
     w.add_name(spec.name)
     w.add_file_type(QUANT_TYPES[spec.quant][1])
     if spec.quant not in ("f32", "f16", "bf16"):
         w.add_quantization_version(2)
-    w.add_block_count(spec.n_layer_all)
-    if spec.mtp:
-        w.add_nextn_predict_layers(1)
-    w.add_context_length(spec.context_length)
+    w.add_block_count(n_blocks)
     w.add_embedding_length(spec.n_embd)
     w.add_feed_forward_length(spec.n_ff)
     w.add_head_count(spec.n_head)
     w.add_head_count_kv(spec.n_head_kv)
     w.add_key_length(spec.head_dim)
     w.add_value_length(spec.head_dim)
-    w.add_layer_norm_rms_eps(spec.rms_eps)
+    w.add_layer_norm_rms_eps(rms_eps)
     w.add_rope_freq_base(spec.rope_base)
-    w.add_rope_dimension_count(spec.rope_dim)
+    w.add_rope_dimension_count(rope_dim)
+
+
+def _add_metadata(w: GGUFWriter, spec: ModelSpec, vocab: Vocab) -> None:
+    Hv, dk = spec.ssm_time_step_rank, spec.ssm_state_size
+    _add_layer_metadata(w, spec, spec.n_layer_all, spec.rms_eps, spec.rope_dim)
+    if spec.mtp:
+        w.add_nextn_predict_layers(1)
+    w.add_context_length(spec.context_length)
     if spec.arch != "qwen3next":
         w.add_rope_dimension_sections(list(spec.rope_sections))
     w.add_full_attention_interval(spec.full_attention_interval)
@@ -463,14 +510,26 @@ def write_model(
     the random initialisation, for exporting a trained model. Tensors are streamed one at a
     time, so memory stays near the largest encoded tensor.
     """
-    missing = sorted({t.name for t in _plan(spec)} - set(weights or ())) if weights else []
+    vocab = build_vocab(spec.vocab_size, spec.n_vocab)
+    _write(path, spec.arch, spec, _plan(spec), weights, lambda w: _add_metadata(w, spec, vocab))
+
+
+def _write(
+    path: str | os.PathLike[str],
+    arch: str,
+    spec: _Weights,
+    tensors: list[_Tensor],
+    weights: Mapping[str, np.ndarray] | None,
+    add_metadata: Callable[[GGUFWriter], None],
+) -> None:
+    """Stream a GGUF file: metadata, then each tensor of `tensors` (drawn or from `weights`)."""
+    missing = sorted({t.name for t in tensors} - set(weights or ())) if weights else []
     if missing:
         raise KeyError(f"weights lack {len(missing)} tensors of the file: {', '.join(missing[:5])}")
-    vocab = build_vocab(spec.vocab_size, spec.n_vocab)
-    plan = [(t, _ggml_type(spec, t)) for t in _plan(spec)]
-    writer = GGUFWriter(path, spec.arch)
+    plan = [(t, _ggml_type(spec, t)) for t in tensors]
+    writer = GGUFWriter(path, arch)
     try:
-        _add_metadata(writer, spec, vocab)
+        add_metadata(writer)
         for t, qtype in plan:
             writer.add_tensor_info(
                 t.name, t.shape, np.dtype(np.float32), _nbytes(t.shape, qtype), raw_dtype=qtype

@@ -2,6 +2,8 @@
 
 * `make_model(preset="tiny", **overrides) -> Path` (session fixture): writes the preset with
   `ModelSpec` field overrides into a session tmp dir, once per distinct spec.
+* `make_dflash(preset="tiny", **overrides) -> Path` (session fixture): a random DFlash
+  drafter (`engine.dflash_writer.DFLASH_PRESETS`, `DFlashSpec` overrides), once per distinct spec.
 * `tiny_qwen35`, `tiny_qwen35moe`, `tiny_qwen3next`: paths of the three tiny presets.
 * `llama_cpp_model(path, **kw)`: a `llama_cpp.Llama` loaded the way our parity tests need it
   (import it with `from conftest import llama_cpp_model`).
@@ -19,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from engine.dflash_writer import DFLASH_PRESETS, DFlashSpec, write_dflash
 from engine.writer import ModelSpec, preset, write_model
 
 HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
@@ -45,6 +48,23 @@ def make_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
         if spec not in made:
             path = root / f"{spec.name}-{len(made)}-{spec.quant}.gguf"
             write_model(path, spec)
+            made[spec] = path
+        return made[spec]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def make_dflash(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory `make_dflash(preset="tiny", **overrides) -> Path`, cached per resulting spec."""
+    root = tmp_path_factory.mktemp("drafters")
+    made: dict[DFlashSpec, Path] = {}
+
+    def make(preset_name: str = "tiny", /, **overrides: Any) -> Path:
+        spec = dataclasses.replace(DFLASH_PRESETS[preset_name], **overrides)
+        if spec not in made:
+            path = root / f"{spec.name}-{len(made)}-{spec.quant}.gguf"
+            write_dflash(path, spec)
             made[spec] = path
         return made[spec]
 

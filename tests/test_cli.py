@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine.dflash_writer import DFLASH_PRESETS, DFlashSpec, write_dflash
 from engine.generate import generate_text, prefill_logits
 from engine.gguf import GGUFFile
 from engine.models.qwen35 import load_model
@@ -41,6 +42,24 @@ def test_make_model_writes_the_spec_it_names(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stderr
     expected = tmp_path / "expected.gguf"
     write_model(expected, dataclasses.replace(preset("tiny-moe"), n_layer=2, seed=3))
+    assert out.read_bytes() == expected.read_bytes()
+
+
+def test_make_dflash_writes_the_drafter_it_names(tmp_path: Path) -> None:
+    out = tmp_path / "drafter.gguf"
+    run = slotserve("make-dflash", out, "--preset", "tiny", "--target-layers", "0,2")
+    assert run.returncode == 0, run.stderr
+    expected = tmp_path / "expected.gguf"
+    write_dflash(expected, dataclasses.replace(DFLASH_PRESETS["tiny"], target_layers=(0, 2)))
+    assert out.read_bytes() == expected.read_bytes()
+
+
+def test_make_dflash_reads_its_target_from_a_model_file(tmp_path: Path, tiny_qwen35: Path) -> None:
+    out = tmp_path / "drafter.gguf"
+    run = slotserve("make-dflash", out, "--target", tiny_qwen35, "--block-size", "4")
+    assert run.returncode == 0, run.stderr
+    expected = tmp_path / "expected.gguf"
+    write_dflash(expected, DFlashSpec.for_file(tiny_qwen35, block_size=4))
     assert out.read_bytes() == expected.read_bytes()
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from test_pool import snapshots_equal
 
-from engine.cache import SlotPool
+from engine.cache import SlotId, SlotPool
 from engine.generate import greedy_tokens
 from engine.models.qwen35 import Model, load_model
 from engine.runner import DraftRow, ModelRunner, Row, RowOutput
@@ -135,6 +135,66 @@ def forced_logits(drafts: list[int], accept: int, rng: np.random.Generator) -> m
     return mx.array(out)
 
 
+def forced_rounds(
+    spec: Speculator,
+    slots: list[SlotId],
+    refs: list[SlotId],
+    starts: list[list[int]],
+    steps: int,
+    rng: np.random.Generator,
+    taps: tuple[int, ...] = (),
+) -> tuple[list[DecodingSlot], list[list[RowOutput]]]:
+    """Prefill `starts` into `slots` (speculating, mode "on") and `refs`, then run `steps`
+    verify rounds with random ragged K and forced random accept counts; each reference slot
+    is fed only the accepted tokens. Returns the decoding slots and, per reference slot, the
+    outputs of all its rows (hidden states at every position, and `taps`)."""
+    runner, pool, S = spec.runner, spec.runner.pool, len(slots)
+    rows = [spec.prefill_row(s, p, 0, "on") for s, p in zip(slots, starts, strict=True)]
+    out = runner.step(
+        rows
+        + [
+            Row(r, p, 0, want=range(len(p)), want_hidden=True, taps=taps)
+            for r, p in zip(refs, starts, strict=True)
+        ]
+    ).rows
+    for row, o in zip(rows, out[:S], strict=True):
+        spec.prefilled(row, o)
+    replays = [[o] for o in out[S:]]
+    states = [
+        DecodingSlot(s, 7, [*p, 7], GREEDY, RequestRng(i), "on")
+        for i, (s, p) in enumerate(zip(slots, starts, strict=True))
+    ]
+    for _ in range(steps):
+        for d in states:
+            d.max_draft = int(rng.integers(0, K + 1))
+        rows = spec.plan(states)
+        real = runner.step(rows).rows
+        accepts = [int(rng.integers(0, len(r.tokens))) for r in rows]
+        forced = [
+            RowOutput(forced_logits(list(r.tokens[1:]), a, rng), o.hidden, taps=o.taps)
+            for r, a, o in zip(rows, accepts, real, strict=True)
+        ]
+        committed = spec.resolve(states, forced)
+        assert [c.accepted for c in committed] == accepts
+        replay = [
+            Row(
+                ref,
+                list(r.tokens[: a + 1]),
+                pool.lengths[ref],
+                want=range(a + 1),
+                want_hidden=True,
+                taps=taps,
+            )
+            for ref, r, a in zip(refs, rows, accepts, strict=True)
+        ]
+        for outs, o in zip(replays, runner.step(replay).rows, strict=True):
+            outs.append(o)
+        for d, c in zip(states, committed, strict=True):
+            d.history += c.tokens
+            d.pending = c.tokens[-1]
+    return states, replays
+
+
 def test_random_verify_rounds_track_a_replay_of_accepted_tokens(model: Model) -> None:
     """1,000 verify rounds (8 slots x 125 steps), ragged K, forced random accept counts.
 
@@ -149,45 +209,8 @@ def test_random_verify_rounds_track_a_replay_of_accepted_tokens(model: Model) ->
     starts = prompts(S, 9)
     slots = [pool.allocate() for _ in range(S)]
     refs = [pool.allocate() for _ in range(S)]
-    rows = [spec.prefill_row(s, p, 0, "on") for s, p in zip(slots, starts, strict=True)]
-    out = runner.step(
-        rows
-        + [
-            Row(r, p, 0, want=range(len(p)), want_hidden=True)
-            for r, p in zip(refs, starts, strict=True)
-        ]
-    ).rows
-    for row, o in zip(rows, out[:S], strict=True):
-        spec.prefilled(row, o)
-    ref_hidden: list[list[mx.array]] = [[o.hidden] for o in out[S:] if o.hidden is not None]
-    states = [
-        DecodingSlot(s, 7, [*p, 7], GREEDY, RequestRng(i), "on")
-        for i, (s, p) in enumerate(zip(slots, starts, strict=True))
-    ]
-    for _ in range(steps):
-        for d in states:
-            d.max_draft = int(rng.integers(0, K + 1))
-        rows = spec.plan(states)
-        real = runner.step(rows).rows
-        accepts = [int(rng.integers(0, len(r.tokens))) for r in rows]
-        forced = [
-            RowOutput(forced_logits(list(r.tokens[1:]), a, rng), o.hidden)
-            for r, a, o in zip(rows, accepts, real, strict=True)
-        ]
-        committed = spec.resolve(states, forced)
-        assert [c.accepted for c in committed] == accepts
-        replay = [
-            Row(
-                ref, list(r.tokens[: a + 1]), pool.lengths[ref], want=range(a + 1), want_hidden=True
-            )
-            for ref, r, a in zip(refs, rows, accepts, strict=True)
-        ]
-        for hidden, o in zip(ref_hidden, runner.step(replay).rows, strict=True):
-            assert o.hidden is not None
-            hidden.append(o.hidden)
-        for d, c in zip(states, committed, strict=True):
-            d.history += c.tokens
-            d.pending = c.tokens[-1]
+    states, replays = forced_rounds(spec, slots, refs, starts, steps, rng)
+    ref_hidden = [[o.hidden for o in outs if o.hidden is not None] for outs in replays]
     m = [pool.mtp_lengths[s] for s in slots]
     runner.draft(
         [

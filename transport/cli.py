@@ -25,6 +25,14 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_make_dflash(args: argparse.Namespace) -> int:
+    from engine import dflash_writer
+
+    dflash_writer.write_dflash(args.out, dflash_writer.dflash_spec_from_cli(args))
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from engine import inspect as inspect_mod
 
@@ -176,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_cli_arguments(p)
     commands["make-model"] = _cmd_make_model
+
+    p = sub.add_parser("make-dflash", help="write a random-weight DFlash drafter for a preset")
+    p.add_argument("out", help="output .gguf path")
+    from engine.dflash_writer import add_dflash_cli_arguments
+
+    add_dflash_cli_arguments(p)
+    commands["make-dflash"] = _cmd_make_dflash
 
     p = sub.add_parser("inspect", help="architecture, tensors and per-slot state bytes of a GGUF")
     p.add_argument("model")

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from engine.gated_delta import gated_delta
-from engine.gguf import GGUFFile, ModelConfig, QuantizedWeight, Weight
+from engine.gguf import GGUFFile, ModelConfig, QuantizedWeight, TensorFile, Weight
 from engine.kernels import attention_cuda, gdn_mixer_cuda
 
 # ----------------------------------------------------------------------------------------------
@@ -162,7 +162,7 @@ class Loader:
     stay quantized), vectors in that dtype or, with `exact`, in float32 (decay
     parameters, conv taps, router: small tensors where rounding shows)."""
 
-    def __init__(self, f: GGUFFile, dtype: mx.Dtype) -> None:
+    def __init__(self, f: TensorFile, dtype: mx.Dtype) -> None:
         self.file, self.dtype = f, dtype
 
     def has(self, name: str) -> bool:
@@ -653,21 +653,29 @@ class Model:
         tokens: mx.array,
         layout: Layout,
         states: list[LayerState],
-    ) -> tuple[mx.array, list[LayerState], list[LinearCapture | None]]:
+        taps: tuple[int, ...] = (),
+    ) -> tuple[mx.array, list[LayerState], list[LinearCapture | None], mx.array | None]:
         """Trunk forward over packed `tokens [N]`.
 
         Returns the post-`output_norm` hidden states `[N, E]` (what the LM head and
-        the MTP head read) and, per layer, the new state of the batch's rows and the
-        capture of its capture rows (linear layers only).
+        the MTP head read), per layer the new state of the batch's rows and the capture
+        of its capture rows (linear layers only), and — when `taps` names trunk layers —
+        their outputs (the residual stream after each, pre-norm) side by side
+        `[N, len(taps) * E]`, what a DFlash drafter is conditioned on (else None).
         """
         x = self.embed_tokens(tokens)
         new_states: list[LayerState] = []
         captures: list[LinearCapture | None] = []
-        for layer, state in zip(self.layers, states, strict=True):
+        tapped: dict[int, mx.array] = {}
+        for i, (layer, state) in enumerate(zip(self.layers, states, strict=True)):
             x, new, capture = layer(x, layout, state)
             new_states.append(new)
             captures.append(capture)
-        return rms_norm(x, self.output_norm, self.config.rms_eps), new_states, captures
+            if i in taps:
+                tapped[i] = x
+        hidden = rms_norm(x, self.output_norm, self.config.rms_eps)
+        out = mx.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
+        return hidden, new_states, captures, out
 
     def logits(self, hidden: mx.array) -> mx.array:
         return matmul(hidden, self.output)

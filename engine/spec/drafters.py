@@ -12,6 +12,9 @@ distribution q each was drawn from (`None`: a point mass at the token).
   draft. Model-free, no state.
 * `MTPDrafter` — the model's nextn block (MODEL_SPEC §10, §16.2), batched across
   slots through `ModelRunner.draft`, chained up to K by feeding its own h' back.
+* `DFlashDrafter` — a block drafter (`engine/spec/dflash.py`): one non-causal forward
+  for all its slots drafts up to block_size - 1 tokens each, conditioned on the
+  outputs of some trunk layers (`layers`) at every committed position.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 from engine.cache import SlotId
 from engine.runner import DraftRow, ModelRunner
 from engine.sampling import adjust_logits, distribution, draw
+from engine.spec.dflash import DFlashModel, DFlashPool
 
 if TYPE_CHECKING:
     from engine.spec.speculator import DecodingSlot
@@ -64,6 +68,7 @@ class Drafter:
     """Base of all drafters; stateless drafters keep the no-op hooks."""
 
     name = ""
+    layers: tuple[int, ...] = ()  # trunk layers whose outputs `observe` needs as `taps`
 
     def available(self, d: DecodingSlot, length: int) -> int:
         raise NotImplementedError
@@ -78,8 +83,9 @@ class Drafter:
         """Whether the slot's rows must return the trunk's hidden states for `observe`."""
         return False
 
-    def observe(self, slot: SlotId, start: int, hidden: mx.array) -> None:
-        """The trunk committed positions `start ..` of `slot` with these hidden states."""
+    def observe(self, slot: SlotId, start: int, hidden: mx.array, taps: mx.array | None) -> None:
+        """The trunk committed positions `start ..` of `slot` with these hidden states
+        (and the outputs of the trunk layers `layers`, side by side, when it has any)."""
 
     def release(self, slot: SlotId) -> None:
         """The slot's sequence ended; forget it."""
@@ -196,7 +202,7 @@ class MTPDrafter(Drafter):
     def begin(self, slot: SlotId) -> None:
         self._tails[slot] = _Tail(0)
 
-    def observe(self, slot: SlotId, start: int, hidden: mx.array) -> None:
+    def observe(self, slot: SlotId, start: int, hidden: mx.array, taps: mx.array | None) -> None:
         t = self._tails.get(slot)
         if t is None:
             return
@@ -247,10 +253,11 @@ class MTPDrafter(Drafter):
         for depth in range(max((c.job.k for c in chains), default=0)):
             going = [c for c in chains if c.job.k > depth]
             if depth:  # feed back the head's own h' and token, one position further on
-                rows = [
-                    DraftRow(c.job.d.slot, c.draft.tokens[-1:], c.hidden, c.job.length + depth - 1)
-                    for c in going
-                ]
+                rows = []
+                for c in going:
+                    assert c.hidden is not None
+                    at = c.job.length + depth - 1
+                    rows.append(DraftRow(c.job.d.slot, c.draft.tokens[-1:], c.hidden, at))
                 for c, (logits, hidden) in zip(going, self.runner.draft(rows), strict=True):
                     c.logits, c.hidden = logits, hidden
             _sample(going)
@@ -260,13 +267,118 @@ class MTPDrafter(Drafter):
 
 
 @dataclass
+class _Context:
+    """Target features of one slot not yet in the DFlash pool: the pool holds the context
+    K/V of positions `0 .. start-1`; `features` the taps of `start`, `start+1`, ... in order."""
+
+    start: int
+    features: list[mx.array] = field(default_factory=list)
+    n: int = 0
+
+
+class DFlashDrafter(Drafter):
+    """Drafts a block per slot with a DFlash model, all slots of a step in one forward.
+
+    Per slot it follows the trunk from the first prefill chunk on (`begin`): the outputs
+    of the model's target layers at each committed position arrive through `observe` and
+    wait there; a step that drafts first moves every followed slot's waiting features into
+    its context K/V in the drafter's own pool (one batched projection), then runs the
+    block `[pending, MASK, ...]` of every drafting slot in one forward. Drafts are drawn
+    position by position from the block's logits, shaped like the target's p (penalties
+    see the drafts before them), so exact acceptance applies as for the other drafters.
+    Only committed positions ever reach the pool: a rejected draft leaves nothing to
+    roll back. As for MTP, a slot's backlog of `max_backlog` positions is caught up even
+    in steps that do not draft.
+    """
+
+    name = "dflash"
+
+    def __init__(self, runner: ModelRunner, model: DFlashModel, max_backlog: int = 256) -> None:
+        if model.target is not runner.model:
+            raise ValueError(f"{model.path}: the DFlash model was loaded for another target")
+        self.runner, self.model, self.max_backlog = runner, model, max_backlog
+        self.layers = model.config.target_layers
+        self.pool = DFlashPool.like(model.config, runner.pool)
+        self._contexts: dict[SlotId, _Context] = {}
+
+    def available(self, d: DecodingSlot, length: int) -> int:
+        c = self._contexts.get(d.slot)
+        ok = c is not None and 0 < c.start + c.n == length == len(d.history) - 1
+        return self.model.config.block_size - 1 if ok else 0
+
+    def needs_hidden(self, slot: SlotId) -> bool:
+        return slot in self._contexts
+
+    def begin(self, slot: SlotId) -> None:
+        self._contexts[slot] = _Context(0)
+        self.pool.truncate(slot, 0)
+
+    def observe(self, slot: SlotId, start: int, hidden: mx.array, taps: mx.array | None) -> None:
+        c = self._contexts.get(slot)
+        if c is None:
+            return
+        if taps is None or c.start + c.n != start:  # a gap: this slot can no longer draft
+            del self._contexts[slot]
+            return
+        c.features.append(taps)
+        c.n += taps.shape[0]
+
+    def release(self, slot: SlotId) -> None:
+        self._contexts.pop(slot, None)
+        self.pool.truncate(slot, 0)
+
+    def draft(self, jobs: Sequence[DraftJob]) -> list[Draft]:
+        out = [Draft() for _ in jobs]
+        live = [(i, j) for i, j in enumerate(jobs) if self.available(j.d, j.length)]
+        drafting = [(i, j) for i, j in live if j.k]
+        backlog = any(self._contexts[j.d.slot].n >= self.max_backlog for _, j in live)
+        if drafting or backlog:
+            self.catch_up([j.d.slot for _, j in live])
+        if not drafting:
+            return out
+        slots = [j.d.slot for _, j in drafting]
+        logits = self.model(
+            mx.array([j.d.pending for _, j in drafting], dtype=mx.int32),
+            mx.array([j.length for _, j in drafting], dtype=mx.int32),
+            self.pool.read(slots),
+            mx.array([self.pool.lengths[s] for s in slots], dtype=mx.int32),
+        )
+        chains = [_Chain(j, out[i], logits[n, 1:2]) for n, (i, j) in enumerate(drafting)]
+        for depth in range(max(j.k for _, j in drafting)):
+            going = [(n, c) for n, c in enumerate(chains) if c.job.k > depth]
+            for n, c in going:
+                c.logits = logits[n, depth + 1 : depth + 2]
+            _sample([c for _, c in going])
+        for c in chains:
+            c.draft.q = mx.stack(c.qs)
+        return out
+
+    def catch_up(self, slots: Sequence[SlotId]) -> None:
+        """Move the waiting features of `slots` into their context K/V, in one projection."""
+        waiting = [(s, self._contexts[s]) for s in slots if self._contexts[s].n]
+        if not waiting:
+            return
+        features = mx.concatenate([f for _, c in waiting for f in c.features], axis=0)
+        positions = mx.concatenate([mx.arange(c.start, c.start + c.n) for _, c in waiting])
+        self.pool.write(
+            [s for s, _ in waiting],
+            [c.start for _, c in waiting],
+            [c.n for _, c in waiting],
+            self.model.context(features, positions),
+        )
+        for s, c in waiting:
+            self._contexts[s] = _Context(c.start + c.n)
+
+
+@dataclass
 class _Chain:
-    """One slot's draft in the making: the head's latest logits `[1, V]` and h' `[1, E]`."""
+    """One slot's draft in the making: the drafter's logits for the next token `[1, V]`
+    (and for MTP its h' `[1, E]`)."""
 
     job: DraftJob
     draft: Draft
     logits: mx.array
-    hidden: mx.array
+    hidden: mx.array | None = None
     qs: list[mx.array] = field(default_factory=list)
 
 

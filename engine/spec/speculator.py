@@ -34,7 +34,9 @@ from engine.runner import ModelRunner, Row, RowOutput
 from engine.sampling import RequestRng, SamplingParams, adjust_logits, distribution, sample
 from engine.spec.acceptance import accept
 from engine.spec.controller import MODES, CostController, Offer
+from engine.spec.dflash import DFlashModel
 from engine.spec.drafters import (
+    DFlashDrafter,
     Draft,
     Drafter,
     DrafterState,
@@ -120,11 +122,14 @@ class _Plan:
     length: int  # the slot's trunk length when planned
 
 
-def default_drafters(runner: ModelRunner) -> list[Drafter]:
-    """Prompt lookup first (free when it matches), then the MTP head if the model has one."""
+def default_drafters(runner: ModelRunner, dflash: DFlashModel | None = None) -> list[Drafter]:
+    """Prompt lookup first (free when it matches), then the MTP head if the model has one,
+    then the DFlash drafter `dflash` when one is given."""
     drafters: list[Drafter] = [NgramDrafter()]
     if runner.model.mtp is not None:
         drafters.append(MTPDrafter(runner))
+    if dflash is not None:
+        drafters.append(DFlashDrafter(runner, dflash))
     return drafters
 
 
@@ -164,6 +169,10 @@ class Speculator:
         if drafters is None:
             drafters = default_drafters(runner) if max_draft else []
         self.drafters = list(drafters)
+        taps = {d.layers for d in self.drafters if d.layers}
+        if len(taps) > 1:
+            raise ValueError(f"drafters tap different trunk layers {sorted(taps)}; use one")
+        self.layers: tuple[int, ...] = taps.pop() if taps else ()
         self.controller = controller if controller is not None else CostController()
         self._plans: dict[SlotId, _Plan] = {}
         self._stats: dict[SlotId, SpecStats] = {}
@@ -185,7 +194,12 @@ class Speculator:
                     d.begin(slot)
         hidden = self._needs_hidden(slot)
         return Row(
-            slot, tokens, start, want=range(len(tokens)) if hidden else None, want_hidden=hidden
+            slot,
+            tokens,
+            start,
+            want=range(len(tokens)) if hidden else None,
+            want_hidden=hidden,
+            taps=self._taps(slot),
         )
 
     def prefilled(self, row: Row, output: RowOutput) -> None:
@@ -193,7 +207,7 @@ class Speculator:
         if output.hidden is not None:
             for d in self.drafters:
                 if d.needs_hidden(row.slot):
-                    d.observe(row.slot, row.start, output.hidden)
+                    d.observe(row.slot, row.start, output.hidden, output.taps)
 
     def release(self, slot: SlotId) -> SpecStats:
         """Forget the slot's request (call when it ends); returns its telemetry."""
@@ -262,6 +276,7 @@ class Speculator:
                     capture=k > 0,
                     want=range(k + 1),
                     want_hidden=self._needs_hidden(d.slot),
+                    taps=self._taps(d.slot),
                 )
             )
         depth = max((len(r.tokens) - 1 for r in rows), default=0)
@@ -374,14 +389,19 @@ class Speculator:
     def _needs_hidden(self, slot: SlotId) -> bool:
         return any(d.needs_hidden(slot) for d in self.drafters)
 
+    def _taps(self, slot: SlotId) -> tuple[int, ...]:
+        """The trunk layers the slot's rows return: those of a drafter that follows it."""
+        return self.layers if any(d.layers and d.needs_hidden(slot) for d in self.drafters) else ()
+
     def _commit(self, slot: SlotId, plan: _Plan, out: RowOutput, k: int, accepted: int) -> None:
         """Roll the slot back to its accepted tokens and tell drafters and telemetry."""
         if accepted < k:
             self.runner.pool.rollback(slot, accepted + 1)
         if out.hidden is not None:
+            taps = None if out.taps is None else out.taps[: accepted + 1]
             for d in self.drafters:
                 if d.needs_hidden(slot):
-                    d.observe(slot, plan.length, out.hidden[: accepted + 1])
+                    d.observe(slot, plan.length, out.hidden[: accepted + 1], taps)
         if k:
             self.controller.observe_round(slot, plan.drafter, k, accepted)
         self.stats(slot).record(plan.drafter, k, accepted)
