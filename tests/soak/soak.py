@@ -49,7 +49,9 @@ class SoakConfig:
     normal_workers: int = 3  # well-behaved raw connections, each one request at a time
     warmup_s: float | None = None  # memory baseline after this; default min(60, duration / 4)
     faults: bool = True  # start the daemon with the test-only fault plan
+    abuse: bool = True  # False: well-behaved traffic only (a baseline for the latencies)
     seed: int = 0
+    daemon_log: Path | None = None  # keep the daemon's log here (default: discarded)
 
     @property
     def warmup(self) -> float:
@@ -210,7 +212,9 @@ class Monitor:
 
 async def _drive(config: SoakConfig, endpoint: str, pid: int) -> tuple[Traffic, Monitor, float]:
     monitor = Monitor(endpoint, pid)
-    traffic = Traffic(endpoint, config.slots, config.max_queue, config.faults, config.seed)
+    traffic = Traffic(
+        endpoint, config.slots, config.max_queue, config.abuse, config.faults, config.seed
+    )
     t0 = time.monotonic()
     async with anyio.create_task_group() as tg:
         tg.start_soon(monitor.run)
@@ -243,7 +247,7 @@ def run_soak(config: SoakConfig) -> Report:
         args = ["--model", str(config.model), "--endpoints", endpoint, "--slots", str(config.slots)]
         args += ["--context", str(config.context), "--max-queue", str(config.max_queue)]
         args += ["--metrics-address", f"127.0.0.1:{port}", "--drain-timeout", "5"]
-        args += ["--log-file", f"{tmp}/daemon.log"]
+        args += ["--log-file", str(config.daemon_log or f"{tmp}/daemon.log")]
         env = dict(os.environ)
         if config.faults:
             env["SLOTSERVE_TEST_FAULTS"] = FAULT_PLAN
@@ -330,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-queue", type=int, default=8)
     parser.add_argument("--workers", type=int, default=3, help="well-behaved connections")
     parser.add_argument("--no-faults", action="store_true", help="no fault-injection traffic")
+    parser.add_argument("--calm", action="store_true", help="well-behaved traffic only")
+    parser.add_argument("--daemon-log", help="keep the daemon's log here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the report (every request included) here")
     args = parser.parse_args(argv)
@@ -339,8 +345,10 @@ def main(argv: list[str] | None = None) -> int:
         slots=args.slots,
         max_queue=args.max_queue,
         normal_workers=args.workers,
-        faults=not args.no_faults,
+        faults=not args.no_faults and not args.calm,
+        abuse=not args.calm,
         seed=args.seed,
+        daemon_log=None if args.daemon_log is None else Path(args.daemon_log).resolve(),
     )
     report = run_soak(config)
     print(report.table())

@@ -67,11 +67,12 @@ class Traffic:
     """Drives one daemon; `run` for the duration, then `settle` waits for every request."""
 
     def __init__(
-        self, endpoint: str, slots: int, max_queue: int, faults: bool, seed: int = 0
+        self, endpoint: str, slots: int, max_queue: int, abuse: bool, faults: bool, seed: int = 0
     ) -> None:
         self.endpoint = endpoint
         self.slots = slots
         self.max_queue = max_queue
+        self.abuse = abuse
         self.faults = faults
         self.rng = random.Random(seed)
         self.counts: Counter[str] = Counter()
@@ -128,7 +129,7 @@ class Traffic:
             ]
             if self.faults:
                 abuse += [(5.0, self._fault("fault-nan")), (5.0, self._fault("fault-row"))]
-            for period, action in abuse:
+            for period, action in abuse if self.abuse else []:
                 tg.start_soon(self._every, period, action, stop_at)
         self._tg = None
 
