@@ -256,7 +256,9 @@ class Traffic:
         for frame in self.rng.sample(frames, 3):
             peer.send_frames(frame)
             self.counts["malformed frames sent"] += 1
-        await anyio.sleep(1.0)  # the answers arrive; then leave
+        with anyio.move_on_after(10):  # each is answered with an Error; then leave
+            while len(peer.connection_errors) < 3:
+                await anyio.sleep(0.05)
         peer.bye()
 
     async def _oversized(self) -> None:
