@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,10 +115,13 @@ class ModelRunner:
     LM head over the rows' stacked state — so a steady decode step is one
     compiled graph instead of a thousand separate ops; the pool is read before it
     and written after it with one gather and one scatter per state kind.
-    `compile=False` runs the very same function eagerly.
+    `compile=False` runs the very same function eagerly. The `MAX_FORWARDS` most
+    recently used shapes keep their forward: ragged prefills make new shapes for as
+    long as the process runs, and an unbounded cache grew a daemon's memory forever.
     """
 
     PAST_BUCKET = 64  # past KV lengths are rounded up to a multiple of this
+    MAX_FORWARDS = 256  # batch shapes whose forward is kept (least recently used go)
 
     def __init__(self, model: Model, pool: SlotPool, compile: bool = False) -> None:
         if pool.config != model.config:
@@ -125,7 +129,7 @@ class ModelRunner:
         self.model = model
         self.pool = pool
         self.compile = compile
-        self._compiled: dict[tuple[object, ...], Callable[..., Any]] = {}
+        self._compiled: OrderedDict[tuple[object, ...], Callable[..., Any]] = OrderedDict()
         self.last_host_s = 0.0
         self.last_tokens = 0  # tokens of the last step, all rows together
 
@@ -205,6 +209,7 @@ class ModelRunner:
     ) -> Callable[..., Any]:
         fn = self._compiled.get(key)
         if fn is not None:
+            self._compiled.move_to_end(key)
             return fn
         model, config = self.model, self.model.config
 
@@ -223,7 +228,14 @@ class ModelRunner:
 
         fn = mx.compile(forward) if self.compile else forward
         self._compiled[key] = fn
+        if len(self._compiled) > self.MAX_FORWARDS:
+            self._compiled.popitem(last=False)
         return fn
+
+    @property
+    def cached_forwards(self) -> int:
+        """Batch shapes whose forward is kept now (at most `MAX_FORWARDS`)."""
+        return len(self._compiled)
 
     def draft(self, batch: Sequence[DraftRow]) -> list[tuple[mx.array, mx.array]]:
         """One batched MTP forward. Per row: (draft logits `[n, V]`, MTP hidden h' `[n, E]`)."""

@@ -15,14 +15,16 @@ which the loader builds lazily — are evaluated once when the Stepper is made
 Faults: the runner raises `BatchError` / `PoolError` before changing anything, so on
 those the rows are bisected and re-run to find the rows at fault; only their
 requests fail. Any other exception leaves the state of the forward's slots unknown:
-all its requests fail. Either way the step returns normally and the loop goes on.
+all its requests fail. A row whose logits are not finite (NaN or inf: a numerical
+fault) fails its own request; the slot is reset when it is next allocated. Either
+way the step returns normally and the loop goes on.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,9 +46,10 @@ from scheduler.outcome import TokenLogprob
 from scheduler.prefix_reuse import SlotImage
 from scheduler.sequence import Sequence as Seq
 
-FaultHook = Callable[[list[str]], None]
+FaultHook = Callable[[list[str]], Collection[str] | None]
 """Test-only: called on the step thread with the request ids of each forward before it
-runs; what it raises is handled as a fault of that forward (see the module docstring)."""
+runs. What it raises is handled as a fault of that forward; the ids it returns get NaN
+logits from the forward (a numerical fault in their rows). See the module docstring."""
 
 UNCHANGED = (BatchError, PoolError)
 """Exceptions after which the runner guarantees the pool is unchanged."""
@@ -252,8 +255,9 @@ class Stepper:
     ) -> dict[int, RowOutput]:
         """Outputs by entry index (+ `offset`); failed entries are added to `result`."""
         try:
-            if self.fault_hook is not None:
-                self.fault_hook([s.id for s, _ in entries])
+            poisoned = (
+                None if self.fault_hook is None else self.fault_hook([s.id for s, _ in entries])
+            )
             out = self.runner.step([row for _, row in entries])
         except UNCHANGED as e:
             if len(entries) == 1:
@@ -265,7 +269,21 @@ class Stepper:
         except Exception as e:
             result.failed += [(s, _describe(e)) for s, _ in entries]
             return {}
-        return {offset + i: o for i, o in enumerate(out.rows)}
+        rows = out.rows
+        if poisoned:
+            nan = mx.array(float("nan"))
+            rows = [
+                RowOutput(o.logits + nan, o.hidden) if s.id in poisoned else o
+                for (s, _), o in zip(entries, rows, strict=True)
+            ]
+        finite = _finite_rows(rows)
+        outputs = {}
+        for i, ((seq, _), o, ok) in enumerate(zip(entries, rows, finite, strict=True)):
+            if ok:
+                outputs[offset + i] = o
+            else:
+                result.failed.append((seq, "numerical fault: the model gave non-finite logits"))
+        return outputs
 
     def _resolve(self, seqs: list[Seq], outputs: list[RowOutput], result: StepResult) -> None:
         if not seqs:
@@ -319,6 +337,15 @@ def _logprobs(logits: list[mx.array], tokens: list[int], seq: Seq) -> list[Token
         )
         for j, t in enumerate(tokens)
     ]
+
+
+def _finite_rows(rows: list[RowOutput]) -> list[bool]:
+    """Per row: are all its logits finite? One small reduction per row, one sync (the
+    logits are evaluated already); a sum is finite only when every term is."""
+    if not rows:
+        return []
+    sums = mx.stack([mx.sum(o.logits) for o in rows])
+    return [bool(x) for x in np.array(mx.isfinite(sums))]
 
 
 def _decoding(seq: Seq) -> DecodingSlot:

@@ -159,3 +159,26 @@ def test_slots_outside_the_batch_are_untouched(model: Model) -> None:
             ):
                 for x, y in zip(a, b, strict=True):
                     assert np.array_equal(x, y)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_the_runner_keeps_a_bounded_number_of_forwards_and_evicted_shapes_give_the_same_logits(
+    model: Model, compile: bool
+) -> None:
+    """Every ragged prefill length is a new batch shape: a daemon that kept a forward
+    for each one grew without bound. The least recently used ones go."""
+    pool = SlotPool(model.config, 1, CONTEXT, kv_dtype=mx.float32)
+    runner = ModelRunner(model, pool, compile=compile)
+    runner.MAX_FORWARDS = 4
+    slot = pool.allocate()
+
+    def logits(n: int) -> np.ndarray:
+        pool.reset(slot)
+        return np.array(runner.step([Row(slot, list(range(1, n + 1)), 0)]).rows[0].logits)
+
+    first = logits(3)
+    for n in range(4, 12):
+        logits(n)
+        assert runner.cached_forwards <= 4
+    np.testing.assert_array_equal(logits(3), first)  # rebuilt after eviction
+    pool.free(slot)

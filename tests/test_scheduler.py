@@ -533,6 +533,39 @@ async def test_a_step_fault_ends_the_requests_of_that_step_and_serving_goes_on(
     assert after.finished.reason in (FinishReason.LENGTH, FinishReason.STOP)
 
 
+@pytest.mark.parametrize("speculate", [False, True])
+@pytest.mark.parametrize("bad_prompt", [40, 9], ids=["in-prefill", "in-decode"])
+async def test_nan_logits_in_one_row_end_only_that_request_and_its_slot_serves_again(
+    new: Callable[..., Scheduler], speculate: bool, bad_prompt: int
+) -> None:
+    """A numerical fault (non-finite logits) in one row, while it prefills or decodes,
+    fails that request alone; the others match their solo runs, and the slot it held
+    gives correct output to the next request."""
+    steps: dict[str, int] = {}
+
+    def nan_on_third_forward(ids: list[str]) -> list[str]:
+        steps.update({i: steps.get(i, 0) + 1 for i in ids})
+        return [i for i in ids if i.startswith("bad") and steps[i] == 3]
+
+    rng = random.Random(9)
+    good = [Request(prompt=prompt(rng, 9), sampling=GREEDY, max_tokens=12) for _ in range(3)]
+    bad = Request(prompt=prompt(rng, bad_prompt), max_tokens=12, request_id="bad")
+    scheduler = new(
+        n_slots=4, speculate=speculate, max_prefill_chunk=16, fault_hook=nan_on_third_forward
+    )
+    async with scheduler.running():
+        handles = [scheduler.submit(r) for r in good]
+        failed = await scheduler.submit(bad).collect()
+        results = [await h.collect() for h in handles]
+        reused = [await scheduler.submit(r).collect() for r in good]  # the bad slot too
+    assert failed.finished.reason == FinishReason.ERROR
+    assert "non-finite logits" in (failed.finished.error or "")
+    for request, result, again in zip(good, results, reused, strict=True):
+        solo = await alone(new, request)
+        same_output(result, solo)
+        same_output(again, solo)
+
+
 async def test_shutdown_gives_every_request_exactly_one_terminal_outcome(
     new: Callable[..., Scheduler],
 ) -> None:

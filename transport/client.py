@@ -6,9 +6,11 @@
 
 One DEALER socket carries any number of concurrent requests. A background task
 reads it and routes each message to its request's `Stream`; another pings the
-server. When the server falls silent past its heartbeat timeout, or says it has
-no session for us (it restarted), every open stream fails with
-`ConnectionLost` and the client connects afresh on its own. A stream is
+server. When the connection closes (the server process died: seen at once through
+a socket monitor), the server falls silent past its heartbeat timeout (a host or
+network gone without a word), or it says it has no session for us (it
+restarted), every open stream fails with `ConnectionLost` and the client
+connects afresh on its own. A stream is
 cancelled on the server when its consumer is cancelled, times out, closes it,
 or drops it. Imports nothing of the scheduler or the engine.
 """
@@ -199,6 +201,7 @@ class Client:
         self._ready = anyio.Event()
         self._last_heard = time.monotonic()
         self._sock: AsyncSocket | None = None
+        self._monitor: AsyncSocket | None = None  # the socket's disconnects
 
     @classmethod
     @asynccontextmanager
@@ -223,9 +226,7 @@ class Client:
                     client._bye()
                     tg.cancel_scope.cancel()
         finally:
-            if client._sock is not None:
-                client._sock.close()
-                client._sock = None
+            client._close_socket()
 
     def generate(
         self, prompt: PromptLike, *, timeout_s: float | None = None, **params: Any
@@ -270,6 +271,7 @@ class Client:
         sock.setsockopt(zmq.LINGER, 0)
         if self._curve is not None:
             self._curve.apply(sock)
+        self._monitor = AsyncSocket(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
         sock.connect(self.endpoint)
         self._sock = AsyncSocket(sock)
         hello = p.Hello(p.PROTOCOL_MAJOR, p.PROTOCOL_MINOR, self._name)
@@ -291,8 +293,7 @@ class Client:
                 "(server down, or its CURVE key / our key not accepted)"
             )
         except BaseException:
-            self._sock.close()
-            self._sock = None
+            self._close_socket()
             raise
 
     async def _run(self) -> None:
@@ -300,9 +301,8 @@ class Client:
         while True:
             await self._serve_session()
             self._ready = anyio.Event()
-            self._lose("the server stopped answering or forgot this session")
-            assert self._sock is not None
-            self._sock.close()
+            self._lose("the connection closed, or the server went silent or forgot this session")
+            self._close_socket()
             while True:
                 try:
                     await self._handshake()
@@ -311,12 +311,14 @@ class Client:
                     await anyio.sleep(min(1.0, self._timeout_s))
 
     async def _serve_session(self) -> None:
-        """Read and ping until the server is silent past its heartbeat timeout."""
-        assert self.welcome is not None and self._sock is not None
+        """Read and ping until the connection closes or the server is silent past its
+        heartbeat timeout."""
+        assert self.welcome is not None and self._sock is not None and self._monitor is not None
         interval = self.welcome.heartbeat_interval_ms / 1000
         timeout = self.welcome.heartbeat_timeout_ms / 1000
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._read, self._sock, tg.cancel_scope)  # cancels all on NO_SESSION
+            tg.start_soon(self._watch_disconnect, self._monitor, tg.cancel_scope)
             while time.monotonic() - self._last_heard < timeout:
                 self._send(p.Ping(0))
                 await anyio.sleep(interval)
@@ -330,6 +332,23 @@ class Client:
                 session.cancel()
                 return
             self._dispatch(msg)
+
+    @staticmethod
+    async def _watch_disconnect(monitor: AsyncSocket, session: anyio.CancelScope) -> None:
+        """End the session when its connection closes: a dead server's requests must fail
+        now, not a heartbeat timeout later. (ZeroMQ reconnects by itself; the server would
+        not know the new connection.)"""
+        await monitor.recv_bytes()  # the only event subscribed to is EVENT_DISCONNECTED
+        session.cancel()
+
+    def _close_socket(self) -> None:
+        if self._sock is not None:
+            self._sock.sock.disable_monitor()
+            self._sock.close()
+            self._sock = None
+        if self._monitor is not None:
+            self._monitor.close()
+            self._monitor = None
 
     def _dispatch(self, msg: p.ServerMessage | None) -> None:
         if isinstance(msg, p.Deltas):

@@ -37,7 +37,7 @@ from engine.runner import ModelRunner
 from engine.tokenizer import Tokenizer
 from transport import protocol as p
 from transport.config import DaemonConfig
-from transport.daemon import logs
+from transport.daemon import faults, logs
 from transport.metrics import Metrics
 from transport.server import ModelInfo, Server, ServerConfig
 
@@ -107,6 +107,7 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
         prefix_cache=None
         if config.prefix_cache is None
         else s.PrefixCacheConfig(config.prefix_cache, config.prefix_cache_interval),
+        fault_hook=faults.from_environment(os.environ),  # test-only; None unless set
     )
     scheduler = s.Scheduler(ModelRunner(model, pool), tokenizer, sched_config)
     return scheduler, ModelInfo.of(scheduler, config.model_name or path.stem)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -32,7 +32,8 @@ class DaemonFailed(RuntimeError):
 class Supervised:
     """`with Supervised(serve_args) as daemon:` runs `slotserve serve *serve_args` and waits
     until it is READY; leaving the block stops it with SIGTERM (killing it if it does not
-    exit within `stop_timeout_s`). `returncode` holds its exit status afterwards."""
+    exit within `stop_timeout_s`). `returncode` holds its exit status afterwards. `env`:
+    the daemon's environment (default: this process's)."""
 
     def __init__(
         self,
@@ -40,7 +41,9 @@ class Supervised:
         endpoint: str,
         ready_timeout_s: float = 120.0,
         stop_timeout_s: float = 60.0,
+        env: Mapping[str, str] | None = None,
     ) -> None:
+        self.env = env
         self.argv = [sys.executable, "-m", "transport.cli", "serve", *serve_args]
         self.endpoint = endpoint
         self.ready_timeout_s = ready_timeout_s
@@ -51,7 +54,7 @@ class Supervised:
         self._probe: zmq.Socket[bytes] | None = None
 
     def __enter__(self) -> Supervised:
-        self.proc = subprocess.Popen(self.argv)
+        self.proc = subprocess.Popen(self.argv, env=self.env)
         try:
             self._wait_ready()
         except BaseException:
@@ -117,14 +120,14 @@ class Supervised:
         raise DaemonFailed(f"the daemon was not ready within {self.ready_timeout_s:.0f} s")
 
 
-def ensure_model(path: Path) -> Path:
-    """The demo model at `path`, written from the "demo" preset if it is missing."""
+def ensure_model(path: Path, preset_name: str = "demo") -> Path:
+    """The model at `path`, written from the writer's preset if it is missing."""
     if not path.exists():
         from engine.writer import preset, write_model
 
-        print(f"writing the demo model to {path}", file=sys.stderr)
+        print(f"writing the {preset_name} model to {path}", file=sys.stderr)
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_model(path, preset("demo"))
+        write_model(path, preset(preset_name))
     return path
 
 
