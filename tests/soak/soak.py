@@ -337,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calm", action="store_true", help="well-behaved traffic only")
     parser.add_argument("--daemon-log", help="keep the daemon's log here")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=float, help="seconds before the memory baseline")
     parser.add_argument("--json", help="write the report (every request included) here")
     args = parser.parse_args(argv)
     config = SoakConfig(
@@ -348,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         faults=not args.no_faults and not args.calm,
         abuse=not args.calm,
         seed=args.seed,
+        warmup_s=args.warmup,
         daemon_log=None if args.daemon_log is None else Path(args.daemon_log).resolve(),
     )
     report = run_soak(config)

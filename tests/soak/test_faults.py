@@ -102,7 +102,7 @@ def test_engine_faults_fail_only_their_requests_and_the_daemon_keeps_serving(
             # A slow step: Ping and Stats are answered throughout, no session is lost,
             # the requests in the step finish, a deadline that passes meanwhile is kept.
             slow = peer.generate("slow", prompt(9), rid=SLOW, max_tokens=4)
-            neighbour = client.generate([7, 8, 9], max_tokens=8)
+            neighbour = client.generate([7, 8, 9], max_tokens=8, ignore_eos=True)
             await anyio.sleep(0.5)  # the slow step has begun
             late = peer.generate("late", prompt(5), max_tokens=8, deadline_ms=1000)
             pings = [await client.ping() for _ in range(int(SLOW_S / 0.25))]
@@ -141,7 +141,9 @@ def test_kill_9_under_load_fails_every_stream_within_the_heartbeat_interval_and_
             assert client.welcome is not None
             interval = client.welcome.heartbeat_interval_ms / 1000
             lost_after: list[float] = []
-            streams = [client.generate([i + 1, 2, 3], max_tokens=4000) for i in range(6)]
+            streams = [
+                client.generate([i + 1, 2, 3], max_tokens=4000, ignore_eos=True) for i in range(6)
+            ]
             killed = anyio.Event()
             t_kill = 0.0
 
