@@ -52,6 +52,9 @@ class SoakConfig:
     abuse: bool = True  # False: well-behaved traffic only (a baseline for the latencies)
     seed: int = 0
     daemon_log: Path | None = None  # keep the daemon's log here (default: discarded)
+    # Small enough to fill during warm-up, so the run exercises eviction and the memory
+    # check sees the cache at its bound ("" = off).
+    prefix_cache: str = "8MiB"
 
     @property
     def warmup(self) -> float:
@@ -71,7 +74,7 @@ class Report:
     unexpected: list[str]  # requests whose terminal their kind must not get
     connection_errors: list[str]  # unexpected connection-level messages
     rss_mib: dict[str, float]  # at the end of warm-up, at the end, the largest
-    rss_growth: float  # end / end of warm-up - 1
+    rss_growth: float  # end / end of warm-up - 1, both less the prefix cache's bytes
     ping_ms: dict[str, float]
     monitor_failures: list[str]
     latency_ms: dict[str, float]  # well-behaved requests: p50/p99/max of TTFT and total
@@ -123,7 +126,8 @@ class Report:
         rss = self.rss_mib
         lines.append(
             f"{'RSS MiB warm/end/max':<28}{rss['warm']:.1f} / {rss['end']:.1f} / {rss['max']:.1f}"
-            f"  growth {self.rss_growth:+.2%}"
+            f"  (prefix cache {rss.get('cache_warm', 0):.1f} / {rss.get('cache_end', 0):.1f})"
+            f"  growth less cache {self.rss_growth:+.2%}"
         )
         ping = self.ping_ms
         lines.append(
@@ -184,13 +188,20 @@ def percentile(values: list[float], q: float) -> float:
 
 @dataclass
 class Monitor:
-    """Pings every 0.5 s, asks for Stats every 2 s, samples the daemon's RSS every second."""
+    """Pings every 0.5 s, asks for Stats every 2 s, samples the daemon's RSS every second.
+
+    Each RSS sample carries the host memory the prefix cache last said it held: that memory
+    is bounded by its budget and is not a leak, so the growth check leaves it out.
+    """
 
     endpoint: str
     pid: int
     pings: list[float] = field(default_factory=list)
-    rss: list[tuple[float, float]] = field(default_factory=list)  # (monotonic, MiB)
+    rss: list[tuple[float, float, float]] = field(
+        default_factory=list
+    )  # (monotonic, MiB, cache MiB)
     failures: list[str] = field(default_factory=list)
+    cache_mib: float = 0.0
 
     async def run(self) -> None:
         async with Client.connect(self.endpoint, name="soak-monitor") as client:
@@ -200,12 +211,13 @@ class Monitor:
                     self.pings.append(await client.ping())
                     if n % 4 == 0:
                         stats = await client.stats()
+                        self.cache_mib = stats.prefix_bytes / 2**20
                         if stats.state != p.ServerState.READY:
                             self.failures.append(f"Stats said {stats.state.name}")
                 except Exception as e:
                     self.failures.append(f"{type(e).__name__}: {e}")
                 if n % 2 == 0:
-                    self.rss.append((time.monotonic(), rss_mib(self.pid)))
+                    self.rss.append((time.monotonic(), rss_mib(self.pid), self.cache_mib))
                 n += 1
                 await anyio.sleep(0.5)
 
@@ -247,6 +259,7 @@ def run_soak(config: SoakConfig) -> Report:
         args = ["--model", str(config.model), "--endpoints", endpoint, "--slots", str(config.slots)]
         args += ["--context", str(config.context), "--max-queue", str(config.max_queue)]
         args += ["--metrics-address", f"127.0.0.1:{port}", "--drain-timeout", "5"]
+        args += ["--prefix-cache", config.prefix_cache]
         args += ["--log-file", str(config.daemon_log or f"{tmp}/daemon.log")]
         env = dict(os.environ)
         if config.faults:
@@ -284,10 +297,15 @@ def _report(
         if o.terminal is not None and o.terminal not in EXPECTED[o.kind]:
             unexpected.append(f"{o.kind} request {o.rid} ended with {o.terminal}")
     warm_at = t0 + config.warmup
-    warm = [m for t, m in monitor.rss if t >= warm_at][:5] or [m for _, m in monitor.rss[-5:]]
-    end = [m for _, m in monitor.rss[-3:]]
-    rss = {"warm": statistics.median(warm), "end": statistics.median(end)}
-    rss["max"] = max(m for t, m in monitor.rss if t >= warm_at) if monitor.rss else float("nan")
+    warm = [s for s in monitor.rss if s[0] >= warm_at][:5] or monitor.rss[-5:]
+    end = monitor.rss[-3:]
+    rss = {
+        "warm": statistics.median(m for _, m, _ in warm),
+        "end": statistics.median(m for _, m, _ in end),
+        "cache_warm": statistics.median(c for _, _, c in warm),
+        "cache_end": statistics.median(c for _, _, c in end),
+    }
+    rss["max"] = max(m for t, m, _ in monitor.rss if t >= warm_at) if monitor.rss else float("nan")
     pings = [1000 * x for x in monitor.pings]
     good = [o for o in outcomes if o.kind in ("normal", "spec") and o.terminal == "finished"]
     ttft = [1000 * (o.first_token - o.sent) for o in good if o.first_token is not None]
@@ -311,7 +329,7 @@ def _report(
         unexpected=unexpected,
         connection_errors=connection_errors,
         rss_mib=rss,
-        rss_growth=rss["end"] / rss["warm"] - 1,
+        rss_growth=(rss["end"] - rss["cache_end"]) / (rss["warm"] - rss["cache_warm"]) - 1,
         ping_ms={
             "n": float(len(pings)),
             "p50": percentile(pings, 0.5),
@@ -339,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=float, help="seconds before the memory baseline")
     parser.add_argument("--json", help="write the report (every request included) here")
+    parser.add_argument("--prefix-cache", default="8MiB", help='the daemon\'s budget ("" = off)')
     args = parser.parse_args(argv)
     config = SoakConfig(
         model=ensure_model(Path(args.model), "tiny"),
@@ -351,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         warmup_s=args.warmup,
         daemon_log=None if args.daemon_log is None else Path(args.daemon_log).resolve(),
+        prefix_cache=args.prefix_cache,
     )
     report = run_soak(config)
     print(report.table())

@@ -37,7 +37,7 @@ from engine.runner import ModelRunner
 from engine.tokenizer import Tokenizer
 from transport import protocol as p
 from transport.config import DaemonConfig
-from transport.daemon import faults, logs
+from transport.daemon import faults, heap, logs
 from transport.metrics import Metrics
 from transport.server import ModelInfo, Server, ServerConfig
 
@@ -141,6 +141,7 @@ async def _serve(config: DaemonConfig, reopen: logs.ReopenableFileHandler | None
                 anyio.create_task_group() as tg,
             ):
                 tg.start_soon(metrics.refresh_forever)
+                tg.start_soon(heap.trim_forever)
                 log.info("warming up")
                 log.info("warm-up step took %.2f s", await warm_up(scheduler))
                 # What exists now (model, tokenizer, pool, compiled graphs) lives as long as
