@@ -27,7 +27,8 @@ import numpy as np
 from engine.cache import SlotPool
 from engine.gated_delta import gated_delta
 from engine.gguf import GGUFFile
-from engine.models.qwen35 import AttentionState, Layout, LinearState, Model
+from engine.models.batch import AttentionState, Layout, LinearState
+from engine.models.qwen35 import Model
 from engine.runner import ModelRunner, Row
 from engine.writer import preset, write_model
 

@@ -13,7 +13,8 @@ process of its own (OpenBLAS is preloaded there, as in the other benchmarks):
   the pool's gather/scatter, the host's graph building);
 * a matmul microbenchmark: GFLOP/s of `x[N, 512] @ W[1536, 512].T` per weight dtype.
 
-This instruments the engine's internals (module globals of `engine.models.qwen35`); it reads
+This instruments the engine's internals (module globals of `engine.models.qwen35` and
+`engine.models.weights`); it reads
 them and restores them, and changes nothing on disk. Writes out/bench/profile_step.json.
 
     .venv/bin/python bench/profile_step.py            # f16 and q8_0, N = 1 and 8
@@ -194,8 +195,11 @@ def _timed(
 
         return timed
 
+    import engine.models.weights as weights  # Projection's fused matmuls live there
+
     targets = [
         (q35, "matmul", "matmul"),
+        (weights, "matmul", "matmul"),
         (q35, "gated_delta", "gated_delta"),
         (mx.fast, "scaled_dot_product_attention", "attention"),
     ]

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.gguf import ModelConfig
-from engine.models.qwen35 import AttentionState, Layout, LinearCapture, LinearState
+from engine.models.batch import AttentionState, Layout, LinearCapture, LinearState
 
 SlotId = NewType("SlotId", int)
 

@@ -20,7 +20,8 @@ from typing import Any
 import mlx.core as mx
 
 from engine.cache import SlotId, SlotPool
-from engine.models.qwen35 import Layout, LinearCapture, Model
+from engine.models.batch import Layout, LinearCapture
+from engine.models.qwen35 import Model
 
 
 class BatchError(ValueError):

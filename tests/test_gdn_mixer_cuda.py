@@ -17,7 +17,8 @@ from gpu_paths import assert_as_close_as, on_cpu, two_steps
 
 from engine.gated_delta import gated_delta
 from engine.kernels import gdn_mixer_cuda
-from engine.models.qwen35 import Layout, conv_tail, l2_normalize
+from engine.models.batch import Layout
+from engine.models.qwen35 import conv_tail, l2_normalize
 
 pytestmark = pytest.mark.skipif(not gdn_mixer_cuda.available(), reason="needs MLX's CUDA backend")
 

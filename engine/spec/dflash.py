@@ -35,7 +35,8 @@ from engine.gguf import (
     TensorFile,
     UnsupportedArchitectureError,
 )
-from engine.models.qwen35 import DenseFFN, Loader, Model, _arrays, matmul, rms_norm
+from engine.models.qwen35 import DenseFFN, Model, _arrays, rms_norm
+from engine.models.weights import Loader, matmul
 
 ARCH = "dflash"
 
