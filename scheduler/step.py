@@ -340,12 +340,32 @@ def _logprobs(logits: list[mx.array], tokens: list[int], seq: Seq) -> list[Token
 
 
 def _finite_rows(rows: list[RowOutput]) -> list[bool]:
-    """Per row: are all its logits finite? One small reduction per row, one sync (the
-    logits are evaluated already); a sum is finite only when every term is."""
+    """Per row: are all its logits finite? (A sum is finite only when every term is.)
+
+    Rows the runner made share one packed logits array: one reduction over it serves
+    them all, without slicing each row out; a row made otherwise (a poisoned one) gets its
+    own. One sync: the logits are evaluated already.
+    """
     if not rows:
         return []
-    sums = mx.stack([mx.sum(o.logits) for o in rows])
-    return [bool(x) for x in np.array(mx.isfinite(sums))]
+    shared = {id(o.packed[0]): o.packed[0] for o in rows if o.packed is not None}
+    sums = {key: mx.isfinite(a.sum(-1)) for key, a in shared.items()}
+    own = [mx.isfinite(o.logits.sum()) for o in rows if o.packed is None]
+    mx.eval(list(sums.values()), own)
+    # bad positions before each index: a row [at, at + n) is fine when none lie within it
+    bad_before = {
+        key: np.concatenate([[0], np.cumsum(~np.array(ok))]).tolist() for key, ok in sums.items()
+    }
+    own_ok = iter([bool(ok) for ok in own])
+    out = []
+    for o in rows:
+        if o.packed is None:
+            out.append(next(own_ok))
+        else:
+            logits, _, at, n = o.packed
+            bad = bad_before[id(logits)]
+            out.append(bad[at + n] == bad[at])
+    return out
 
 
 def _decoding(seq: Seq) -> DecodingSlot:

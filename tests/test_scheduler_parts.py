@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Callable
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -167,3 +168,18 @@ def test_max_tokens_defaults_to_the_rest_of_the_context_and_eos_stops(
     assert p.stop_ids == {7} | tokenizer.eog_ids
     q = prepare(Request(prompt=[1], ignore_eos=True), "r", tokenizer, VOCAB, CONTEXT)
     assert q.stop_ids == frozenset()
+
+
+def test_non_finite_logits_mark_only_their_rows_packed_or_not() -> None:
+    from engine.runner import RowOutput
+    from scheduler.step import _finite_rows
+
+    logits = mx.where(mx.arange(5)[:, None] == 3, mx.nan, mx.zeros((5, 8)))  # position 3
+    rows = [
+        RowOutput(packed=(logits, None, 0, 2)),
+        RowOutput(packed=(logits, None, 2, 2)),  # holds position 3
+        RowOutput(packed=(logits, None, 4, 1)),
+        RowOutput(logits=mx.array([[1.0, mx.inf]])),
+        RowOutput(logits=mx.array([[1.0, 2.0]])),
+    ]
+    assert _finite_rows(rows) == [True, False, True, False, True]
