@@ -13,7 +13,6 @@ runner step. `parts x counts` against the whole step shows how much the glue
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -23,6 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from step_roofline import DTYPES, add_model_args, ensure_model
 
 from engine.cache import SlotPool
 from engine.gated_delta import gated_delta
@@ -30,9 +30,6 @@ from engine.gguf import GGUFFile
 from engine.models.batch import AttentionState, Layout, LinearState
 from engine.models.qwen35 import Model
 from engine.runner import ModelRunner, Row
-from engine.writer import preset, write_model
-
-DTYPES = {"bf16": mx.bfloat16, "f16": mx.float16, "f32": mx.float32}
 
 
 def timed(fn: Callable[..., Any], *args: Any, reps: int = 50) -> float:
@@ -105,19 +102,13 @@ def profile(model: Model, n: int, past: int, dtype: mx.Dtype) -> dict[str, float
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--preset", default="qwen3.5-0.8b")
-    p.add_argument("--quant", default="f16")
-    p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
-    p.add_argument("--n", default="1,8,64", type=lambda s: [int(x) for x in s.split(",")])
+    add_model_args(p, n="1,8,64")
     p.add_argument("--past", type=int, default=128)
-    p.add_argument("--model-dir", default="out/bench")
     p.add_argument("--json")
     args = p.parse_args()
-    path = Path(args.model_dir) / f"{args.preset}-{args.quant}.gguf"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_model(path, dataclasses.replace(preset(args.preset), quant=args.quant))
-    model = Model(GGUFFile(path), DTYPES[args.dtype])
+    model = Model(
+        GGUFFile(ensure_model(args.preset, args.quant, Path(args.model_dir))), DTYPES[args.dtype]
+    )
     cfg = model.config
     rows = []
     for n in args.n:

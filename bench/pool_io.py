@@ -16,7 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from step_roofline import DTYPES, ensure_model
+from step_roofline import DTYPES, add_model_args, ensure_model
 
 from engine.cache import SlotPool
 from engine.gguf import GGUFFile
@@ -67,11 +67,7 @@ def row_io(model: Model, n: int, dtype: mx.Dtype) -> list[float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--preset", default="qwen3.5-0.8b")
-    p.add_argument("--quant", default="f16")
-    p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
-    p.add_argument("--n", default="1,8,64", type=lambda s: [int(x) for x in s.split(",")])
-    p.add_argument("--model-dir", default="out/bench")
+    add_model_args(p, n="1,8,64")
     args = p.parse_args()
     dtype = DTYPES[args.dtype]
     model = Model(GGUFFile(ensure_model(args.preset, args.quant, Path(args.model_dir))), dtype)

@@ -41,6 +41,15 @@ def ensure_model(name: str, quant: str, out_dir: Path) -> Path:
     return path
 
 
+def add_model_args(p: argparse.ArgumentParser, n: str = "1,8,32,64") -> None:
+    """The model and batch-width options every H200 step benchmark takes."""
+    p.add_argument("--preset", default="qwen3.5-0.8b")
+    p.add_argument("--quant", default="f16")
+    p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    p.add_argument("--n", default=n, type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--model-dir", default="out/bench")
+
+
 def weight_bytes(f: GGUFFile) -> int:
     """Bytes of every tensor a trunk decode step reads (MTP block excluded)."""
     L = f.config.n_layer
@@ -107,16 +116,12 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--preset", default="qwen3.5-0.8b")
-    p.add_argument("--quant", default="f16")
-    p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
-    p.add_argument("--n", default="1,8,32,64", type=lambda s: [int(x) for x in s.split(",")])
+    add_model_args(p)
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--bandwidth-tbs", type=float, default=4.3, help="device memory bandwidth, TB/s")
-    p.add_argument("--model-dir", default="out/bench")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     results = run(args)
