@@ -22,6 +22,12 @@ import numpy as np
 from engine.kernels import gated_delta_cuda
 
 
+def l2_normalize(x: mx.array, eps: float) -> mx.array:
+    """llama.cpp's `x / max(||x||, eps)` over the last axis: the q/k norm of the
+    recurrence's inputs (MODEL_SPEC §6.4)."""
+    return x / mx.maximum(mx.sqrt((x * x).sum(-1, keepdims=True)), eps)
+
+
 def expand_heads(x: mx.array, n_heads: int, tiled: bool) -> mx.array:
     """`[B, T, Hk, d]` -> `[B, T, Hv, d]`, one key head per value head."""
     r = n_heads // x.shape[2]

@@ -15,10 +15,10 @@ import mlx.nn as nn
 import pytest
 from gpu_paths import assert_as_close_as, on_cpu, two_steps
 
-from engine.gated_delta import gated_delta
+from engine.gated_delta import gated_delta, l2_normalize
 from engine.kernels import gdn_mixer_cuda
 from engine.models.batch import Layout
-from engine.models.qwen35 import conv_tail, l2_normalize
+from engine.models.qwen35 import conv_tail
 
 pytestmark = pytest.mark.skipif(not gdn_mixer_cuda.available(), reason="needs MLX's CUDA backend")
 
@@ -70,7 +70,6 @@ def test_kernel_matches_the_portable_ops(
         sa,
         nw,
         n_key_heads=Hk,
-        value_dim=dv,
         tiled=tiled,
         fused_ba=fused_ba,
         eps=eps,

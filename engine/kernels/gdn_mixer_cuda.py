@@ -163,7 +163,6 @@ def gdn_mixer_cuda(
     norm_w: mx.array,
     *,
     n_key_heads: int,
-    value_dim: int,
     tiled: bool,
     fused_ba: bool,
     eps: float,
@@ -196,8 +195,6 @@ def gdn_mixer_cuda(
         )
     N, W = proj.shape
     B, Hv, dv, dk = ssm.shape
-    if dv != value_dim:
-        raise ValueError(f"ssm state {ssm.shape} does not match value head size {value_dim}")
     Cc, Kc = conv_w.shape
     nw = 8 if dv % 8 == 0 else 1
     f32 = mx.float32

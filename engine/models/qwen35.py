@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.gated_delta import gated_delta
+from engine.gated_delta import gated_delta, l2_normalize
 from engine.gguf import GGUFFile, ModelConfig, QuantizedWeight, Weight
 from engine.kernels import attention_cuda, gdn_mixer_cuda
 from engine.models.batch import AttentionState, LayerState, Layout, LinearCapture, LinearState
@@ -26,11 +26,6 @@ from engine.models.weights import Loader, Projection, expert_matmul, matmul
 
 def rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:
     return mx.fast.rms_norm(x, w, eps)
-
-
-def l2_normalize(x: mx.array, eps: float) -> mx.array:
-    """llama.cpp's `x / max(||x||, eps)` (MODEL_SPEC §6.4)."""
-    return x / mx.maximum(mx.sqrt((x * x).sum(-1, keepdims=True)), eps)
 
 
 def rope_frequencies(cfg: ModelConfig) -> mx.array:
@@ -202,7 +197,6 @@ class GatedDeltaNet:
                 self.ssm_a,
                 self.norm,
                 n_key_heads=cfg.ssm_hk,
-                value_dim=cfg.ssm_dv,
                 tiled=cfg.v_heads_tiled,
                 fused_ba=self.fused_ba,
                 eps=cfg.rms_eps,

@@ -20,7 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engine.gated_delta import gated_delta_chunked
+from engine.gated_delta import gated_delta_chunked, l2_normalize
 
 Params = dict[str, mx.array]
 
@@ -272,8 +272,3 @@ def fused_attention_trains(h: Hyper, dtype: mx.Dtype) -> bool:
         print(f"train: fused attention cannot train here ({type(e).__name__}: {e}); plain ops")
         return False
     return True
-
-
-def l2_normalize(x: mx.array, eps: float) -> mx.array:
-    """llama.cpp's `x / max(||x||, eps)` (MODEL_SPEC §6.4), as engine/models/qwen35.py."""
-    return x / mx.maximum(mx.sqrt((x * x).sum(-1, keepdims=True)), eps)
