@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, LlamaFileType, quants
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType, quants
 from gguf.constants import GGML_QUANT_SIZES
 
 from engine.corpus import CHAT_TEMPLATE, Vocab, build_vocab
@@ -540,6 +540,30 @@ def _write(
         for t, qtype in plan:
             data = np.concatenate([_encode(chunk, qtype) for chunk in _values(spec, t, weights)])
             writer.write_tensor_data(data)
+    finally:
+        writer.close()
+
+
+def write_dequantized(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Copy the GGUF file `src` to `dst` with every tensor stored as f32 and the metadata
+    unchanged but `general.file_type`. A quantized file is held to llama.cpp through such a
+    copy: llama.cpp's CPU matmuls quantize the activations of quantized weights too, which
+    moves its logits ~1e-2 away from the exact product."""
+    reader = GGUFReader(src)
+    writer = GGUFWriter(dst, str(reader.fields["general.architecture"].contents()))
+    try:
+        for field in reader.fields.values():
+            if field.name == "general.architecture" or field.name.startswith("GGUF."):
+                continue  # the writer's own
+            kind = field.types[0]
+            sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
+            value = LlamaFileType.ALL_F32 if field.name == "general.file_type" else field.contents()
+            writer.add_key_value(field.name, value, kind, sub_type=sub)
+        for t in reader.tensors:
+            writer.add_tensor(t.name, quants.dequantize(t.data, t.tensor_type).astype(np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
     finally:
         writer.close()
 

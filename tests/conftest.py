@@ -5,6 +5,7 @@
 * `make_dflash(preset="tiny", **overrides) -> Path` (session fixture): a random DFlash
   drafter (`engine.dflash_writer.DFLASH_PRESETS`, `DFlashSpec` overrides), once per distinct spec.
 * `tiny_qwen35`, `tiny_qwen35moe`, `tiny_qwen3next`: paths of the three tiny presets.
+* `demo_f32`: the shipped, trained demo model (models/slotserve-demo.gguf) as an f32 copy.
 * `llama_cpp_model(path, **kw)`: a `llama_cpp.Llama` loaded the way our parity tests need it
   (import it with `from conftest import llama_cpp_model`).
 * Tests marked `@pytest.mark.llama` are skipped when llama-cpp-python is not installed.
@@ -22,7 +23,9 @@ from typing import Any
 import pytest
 
 from engine.dflash_writer import DFLASH_PRESETS, DFlashSpec, write_dflash
-from engine.writer import ModelSpec, preset, write_model
+from engine.writer import ModelSpec, preset, write_dequantized, write_model
+
+DEMO_MODEL = Path(__file__).resolve().parent.parent / "models" / "slotserve-demo.gguf"
 
 HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 
@@ -84,6 +87,14 @@ def tiny_qwen35moe(make_model: Callable[..., Path]) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3next(make_model: Callable[..., Path]) -> Path:
     return make_model("tiny-next")
+
+
+@pytest.fixture(scope="session")
+def demo_f32(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The trained demo model with its q8_0 tensors dequantized to f32, for tight parity."""
+    path = tmp_path_factory.mktemp("demo") / "slotserve-demo-f32.gguf"
+    write_dequantized(DEMO_MODEL, path)
+    return path
 
 
 @contextlib.contextmanager

@@ -126,3 +126,22 @@ def test_token_outside_the_vocabulary_exits_2(tiny_qwen35: Path, tmp_path: Path)
     assert run.returncode == 2
     assert run.stderr.startswith("slotserve: error:") and "99999" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_demo_serves_the_trained_model_and_prints_python(tmp_path: Path) -> None:
+    """`slotserve demo`'s defaults: the committed model, load, sampled completions, exit 0."""
+    r = slotserve(
+        "demo", "--duration", "2", "--concurrency", "2", "--max-tokens", "24", cwd=tmp_path
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "requests" in r.stdout and "errors 0" in r.stdout
+    samples = r.stdout.split("--- temperature 0.7, seed ")[1:]
+    assert len(samples) == 3
+    # each sample is its prompt and then some generated text
+    assert all(len(s.split("\n", 1)[1].strip()) > 40 for s in samples)
+
+
+def test_demo_names_a_missing_model(tmp_path: Path) -> None:
+    r = slotserve("demo", "--duration", "1", "--model", tmp_path / "none.gguf", cwd=tmp_path)
+    assert r.returncode != 0
+    assert "none.gguf: the demo model is missing" in r.stderr

@@ -87,10 +87,13 @@ def run_ours(path: Path, tokens: list[int]) -> Side:
     return side
 
 
-@pytest.fixture(scope="module", params=["tiny", "tiny-moe"])
+@pytest.fixture(scope="module", params=["tiny", "tiny-moe", "demo-trained"])
 def sides(request: pytest.FixtureRequest, make_model: Callable[..., Path]) -> tuple[Side, Side]:
-    """(ours, llama.cpp) for one f32 preset."""
-    path = make_model(request.param, quant="f32")
+    """(ours, llama.cpp) for one f32 preset, or the trained demo model as f32."""
+    if request.param == "demo-trained":
+        path: Path = request.getfixturevalue("demo_f32")
+    else:
+        path = make_model(request.param, quant="f32")
     ref = run_llama(path)
     return run_ours(path, chain_tokens(ref)), ref
 

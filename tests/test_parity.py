@@ -23,12 +23,14 @@ pytestmark = pytest.mark.llama
 TOL = 1e-4
 
 # (preset, overrides): qwen35 with Hk != Hv and GQA; MoE; Qwen3-Next's grouped heads and
-# fused ssm_ba; an IM-RoPE section layout that leaves some rotary pairs unrotated (§16.1).
+# fused ssm_ba; an IM-RoPE section layout that leaves some rotary pairs unrotated (§16.1);
+# and the shipped demo model, trained (as an f32 copy: `demo_f32`).
 CASES = {
     "qwen35": ("tiny", {}),
     "qwen35moe": ("tiny-moe", {}),
     "qwen3next": ("tiny-next", {}),
     "qwen35-partial-mrope": ("tiny", {"rope_sections": (1, 1, 1, 1)}),
+    "demo-trained": ("", {}),
 }
 
 
@@ -42,6 +44,9 @@ def prompt(n: int, vocab: int, seed: int = 1) -> list[int]:
 
 @pytest.fixture(scope="module", params=list(CASES))
 def model_path(request: pytest.FixtureRequest, make_model: Callable[..., Path]) -> Path:
+    if request.param == "demo-trained":
+        path: Path = request.getfixturevalue("demo_f32")
+        return path
     name, overrides = CASES[request.param]
     return make_model(name, quant="f32", **overrides)
 

@@ -249,9 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="a daemon on the demo model under load, then a clean stop")
     from transport.daemon.demo import DEMO_MODEL
 
-    p.add_argument(
-        "--model", default=str(DEMO_MODEL), help="written from the demo preset if missing"
-    )
+    p.add_argument("--model", default=str(DEMO_MODEL), help="the trained demo model by default")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of load")
     p.add_argument("--concurrency", type=int, default=8, help="requests kept in flight")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per request")

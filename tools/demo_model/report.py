@@ -26,10 +26,14 @@ from tools.demo_model.data import load_ids, vocab_digest
 
 
 def held_out_perplexity(model: Model, ids: np.ndarray, window: int, n_windows: int) -> float:
-    """exp(mean next-token NLL) over the first `n_windows` non-overlapping windows."""
+    """exp(mean next-token NLL) over `n_windows` windows spread evenly over the split (its
+    first files alone are not typical: on the shipped model the first 16 windows gave a
+    perplexity of 10.2, 32 spread windows 5.7)."""
     nll, count = 0.0, 0
-    for w in range(min(n_windows, ids.size // window)):
-        tokens = ids[w * window : (w + 1) * window].astype(np.int64)
+    n = min(n_windows, ids.size // window)
+    for w in range(n):
+        start = w * (ids.size - window) // max(1, n - 1) if n > 1 else 0
+        tokens = ids[start : start + window].astype(np.int64)
         logits = mx.array(prefill_logits(model, tokens.tolist())[:-1])
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         target = mx.array(tokens[1:])[:, None]
@@ -87,7 +91,7 @@ def report(path: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     if vocab_digest(md["tokenizer.ggml.tokens"], md["tokenizer.ggml.merges"]) != digest:
         raise ValueError(f"{path}: its vocabulary is not the one {data}/ids.npz was packed with")
     model = Model(f)
-    window, n_windows = (128, 2) if quick else (512, 16)
+    window, n_windows = (128, 2) if quick else (512, 32)
     n_prompts, prompt_len, gen = (2, 16, 8) if quick else (8, 64, 64)
     eot = tok.bos_id if tok.bos_id is not None else -1
     prompts = prompts_from(heldout, n_prompts, prompt_len, eot)

@@ -1,4 +1,5 @@
-"""`slotserve demo`: a daemon on the demo model, the load generator against it, a clean stop.
+"""`slotserve demo`: a daemon on the demo model, the load generator against it, a few
+completions printed as text, a clean stop.
 
 `Supervised` (a `slotserve serve` subprocess that is ready once its Stats say
 READY) is also what the daemon's tests start.
@@ -6,6 +7,7 @@ READY) is also what the daemon's tests start.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -20,9 +22,24 @@ import zmq
 
 from transport import loadgen, loadreport
 from transport import protocol as p
+from transport.client import SyncClient
 from transport.sockets import resolve_endpoint
 
-DEMO_MODEL = Path("out/demo/demo-qwen35.gguf")
+# trained by tools/demo_model (docs/MODEL.md), committed in the repository
+DEMO_MODEL = Path(__file__).resolve().parents[2] / "models" / "slotserve-demo.gguf"
+
+# Beginnings of Python source, what the demo model was trained on: the load cycles through
+# them and the first few are completed and printed at the end.
+DEMO_PROMPTS = (
+    "def read_config(path):\n",
+    'class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n',
+    "import os\nimport sys\n\n\ndef main(argv=None):\n",
+    "    def __repr__(self):\n",
+    "try:\n    import threading\nexcept ImportError:\n",
+    'def _is_valid_name(name):\n    """',
+    "for i, line in enumerate(lines):\n",
+    "with open(filename, 'rb') as f:\n",
+)
 
 
 class DaemonFailed(RuntimeError):
@@ -121,7 +138,8 @@ class Supervised:
 
 
 def ensure_model(path: Path, preset_name: str = "demo") -> Path:
-    """The model at `path`, written from the writer's preset if it is missing."""
+    """The model at `path`, written from the writer's preset if it is missing (random
+    weights, for tests and benchmarks)."""
     if not path.exists():
         from engine.writer import preset, write_model
 
@@ -132,19 +150,39 @@ def ensure_model(path: Path, preset_name: str = "demo") -> Path:
 
 
 def run_demo(model: Path, duration_s: float, concurrency: int, max_tokens: int, slots: int) -> int:
-    """Start a daemon on `model`, load it for `duration_s`, print the report, stop it.
-    Returns 0 when the daemon drained and exited cleanly."""
-    ensure_model(model)
+    """Start a daemon on `model`, load it for `duration_s` with `DEMO_PROMPTS`, print the
+    load report and a few sampled completions, stop it. Returns 0 when the daemon drained
+    and exited cleanly."""
+    if not model.exists():
+        fix = "`git checkout models/` restores it, " if model == DEMO_MODEL else ""
+        raise FileNotFoundError(
+            f"{model}: the demo model is missing ({fix}docs/MODEL.md says how it is made)"
+        )
     with tempfile.TemporaryDirectory(prefix="slotserve-demo-") as tmp:
         endpoint = f"ipc://{tmp}/demo.sock"
+        prompts = Path(tmp) / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in DEMO_PROMPTS))
         args = ["--model", str(model), "--endpoints", endpoint, "--slots", str(slots)]
         args += ["--context", "1024", "--metrics-address", "", "--drain-timeout", "10"]
         with Supervised(args, endpoint) as daemon:
             config = loadgen.LoadConfig(
                 endpoint, concurrency=concurrency, duration_s=duration_s, connections=2
             )
-            records = anyio.run(loadgen.run_load, config, None, 32, max_tokens, sys.stderr)
+            records = anyio.run(loadgen.run_load, config, prompts, 32, max_tokens, sys.stderr)
             print(loadreport.table(loadreport.summarize(config, records)))
+            print_samples(endpoint, DEMO_PROMPTS[:3], max_tokens)
         status = daemon.returncode
     print(f"daemon stopped with status {status}", file=sys.stderr)
     return 0 if status == 0 else 1
+
+
+def print_samples(endpoint: str, prompts: Sequence[str], max_tokens: int) -> None:
+    """Completions of `prompts` streamed to stdout as the daemon sends them: sampled at
+    temperature 0.7 with fixed seeds (a 19M-parameter model's greedy text soon repeats)."""
+    with SyncClient(endpoint, name="demo-samples") as client:
+        for seed, prompt in enumerate(prompts):
+            print(f"\n--- temperature 0.7, seed {seed}, {max_tokens} tokens at most ---")
+            print(prompt, end="")
+            for delta in client.generate(prompt, max_tokens=max_tokens, temperature=0.7, seed=seed):
+                print(delta.text, end="", flush=True)
+            print()
