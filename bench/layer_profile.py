@@ -57,14 +57,14 @@ def profile(model: Model, n: int, past: int, dtype: mx.Dtype) -> dict[str, float
     kv = mx.zeros((n, past, cfg.n_head_kv, cfg.head_dim), dtype=dtype)
 
     def lin_layer(x: mx.array, a: list[mx.array], c: mx.array, s: mx.array) -> mx.array:
-        y, new, _ = lin(x, layout.with_arrays(a), LinearState(c, s))
+        h, y, new, _ = lin(x, layout.with_arrays(a), LinearState(c, s))
         assert isinstance(new, LinearState)
-        return mx.concatenate([y.reshape(-1), new.ssm.reshape(-1)[:1]])
+        return mx.concatenate([(h + y).reshape(-1), new.ssm.reshape(-1)[:1]])
 
     def att_layer(x: mx.array, a: list[mx.array], k: mx.array, v: mx.array) -> mx.array:
-        y, new, _ = att(x, layout.with_arrays(a), AttentionState(k, v))
+        h, y, new, _ = att(x, layout.with_arrays(a), AttentionState(k, v))
         assert isinstance(new, AttentionState)
-        return mx.concatenate([y.reshape(-1), new.k.reshape(-1)[:1].astype(y.dtype)])
+        return mx.concatenate([(h + y).reshape(-1), new.k.reshape(-1)[:1].astype(y.dtype)])
 
     q = mx.random.normal((n, 1, cfg.ssm_hk, cfg.ssm_dk))
     v = mx.random.normal((n, 1, cfg.ssm_hv, cfg.ssm_dv))

@@ -28,7 +28,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.kernels.gated_delta_cuda import available
+from engine.kernels.cuda import available, cached_kernel
 
 _PREPARE = """
     constexpr int PER = D / 32;
@@ -142,8 +142,6 @@ _ATTEND = """
     }
 """
 
-_kernels: dict[str, Any] = {}
-
 
 def enabled() -> bool:
     """On MLX's CUDA backend, unless SLOTSERVE_FUSED_ATTENTION=0 asks for the portable ops."""
@@ -151,16 +149,7 @@ def enabled() -> bool:
 
 
 def _kernel(name: str, inputs: list[str], outputs: list[str], source: str) -> Any:
-    """The kernel compiled for `name` (a source variant: floats are baked into the source)."""
-    k = _kernels.get(name)
-    if k is None:
-        k = _kernels[name] = mx.fast.cuda_kernel(
-            name=f"slotserve_attention_{len(_kernels)}",
-            input_names=inputs,
-            output_names=outputs,
-            source=source,
-        )
-    return k
+    return cached_kernel("attention", name, inputs, outputs, source)
 
 
 def attention_cuda(

@@ -19,6 +19,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.kernels.cuda import available  # noqa: F401  (where callers look for it)
+
 _SOURCE = """
     const int lane = threadIdx.x & 31;
     const long warp = (long(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
@@ -81,11 +83,6 @@ _SOURCE = """
 """
 
 _kernel: Any = None
-
-
-def available() -> bool:
-    """True where this kernel can run: MLX's CUDA backend on the default GPU device."""
-    return bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu
 
 
 def gated_delta_cuda(

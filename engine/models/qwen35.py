@@ -19,13 +19,26 @@ import mlx.nn as nn
 
 from engine.gated_delta import gated_delta, l2_normalize
 from engine.gguf import GGUFFile, ModelConfig, QuantizedWeight, Weight
-from engine.kernels import attention_cuda, gdn_mixer_cuda
+from engine.kernels import add_norm_cuda, attention_cuda, gdn_mixer_cuda
 from engine.models.batch import AttentionState, LayerState, Layout, LinearCapture, LinearState
 from engine.models.weights import Loader, Projection, expert_matmul, matmul
 
 
 def rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:
     return mx.fast.rms_norm(x, w, eps)
+
+
+def add_rms_norm(
+    x: mx.array, m: mx.array | None, w: mx.array, eps: float
+) -> tuple[mx.array, mx.array]:
+    """The residual stream `h = x + m` (`x` alone when `m` is None) and `rms_norm(h) * w`:
+    one kernel on MLX's CUDA backend (`engine.kernels.add_norm_cuda`), two ops elsewhere."""
+    if m is None:
+        return x, rms_norm(x, w, eps)
+    if add_norm_cuda.enabled() and x.ndim == 2 and m.dtype == x.dtype:
+        return add_norm_cuda.add_rms_norm_cuda(x, m, w, eps)
+    h = x + m
+    return h, rms_norm(h, w, eps)
 
 
 def rope_frequencies(cfg: ModelConfig) -> mx.array:
@@ -330,9 +343,12 @@ class DecoderLayer:
         )
 
     def __call__(
-        self, x: mx.array, layout: Layout, state: LayerState
-    ) -> tuple[mx.array, LayerState, LinearCapture | None]:
-        a = rms_norm(x, self.attn_norm, self.eps)
+        self, x: mx.array, layout: Layout, state: LayerState, pending: mx.array | None = None
+    ) -> tuple[mx.array, mx.array, LayerState, LinearCapture | None]:
+        """The layer on the residual stream `x + pending` (`x` alone when `pending` is None).
+        Returns `(h, f, new state, capture)`: the layer's output is `h + f`, left unadded
+        so the next residual add folds into the next norm (`add_rms_norm`)."""
+        h, a = add_rms_norm(x, pending, self.attn_norm, self.eps)
         capture = None
         new: LayerState
         if isinstance(self.mixer, GatedDeltaNet):
@@ -341,8 +357,8 @@ class DecoderLayer:
         else:
             assert isinstance(state, AttentionState)
             m, new = self.mixer(a, layout, state)
-        h = x + m
-        return h + self.ffn(rms_norm(h, self.post_norm, self.eps)), new, capture
+        h, a = add_rms_norm(h, m, self.post_norm, self.eps)
+        return h, self.ffn(a), new, capture
 
 
 class MTPHead:
@@ -380,9 +396,9 @@ class MTPHead:
         u = mx.concatenate(
             [rms_norm(e, self.enorm, self.eps), rms_norm(hidden, self.hnorm, self.eps)], axis=-1
         )
-        u, new, _ = self.block(matmul(u, self.eh_proj), layout, state)
+        u, f, new, _ = self.block(matmul(u, self.eh_proj), layout, state)
         assert isinstance(new, AttentionState)
-        h = rms_norm(u, self.norm, self.eps)
+        _, h = add_rms_norm(u, f, self.norm, self.eps)
         return matmul(h, self.head), h, new
 
 
@@ -437,17 +453,17 @@ class Model:
         their outputs (the residual stream after each, pre-norm) side by side
         `[N, len(taps) * E]`, what a DFlash drafter is conditioned on (else None).
         """
-        x = self.embed_tokens(tokens)
+        x, pending = self.embed_tokens(tokens), None  # the residual stream is x + pending
         new_states: list[LayerState] = []
         captures: list[LinearCapture | None] = []
         tapped: dict[int, mx.array] = {}
         for i, (layer, state) in enumerate(zip(self.layers, states, strict=True)):
-            x, new, capture = layer(x, layout, state)
+            x, pending, new, capture = layer(x, layout, state, pending)
             new_states.append(new)
             captures.append(capture)
             if i in taps:
-                tapped[i] = x
-        hidden = rms_norm(x, self.output_norm, self.config.rms_eps)
+                tapped[i] = x + pending
+        _, hidden = add_rms_norm(x, pending, self.output_norm, self.config.rms_eps)
         out = mx.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
         return hidden, new_states, captures, out
 

@@ -1,0 +1,79 @@
+"""Residual add and RMSNorm as ONE CUDA kernel: `h = x + m`, `a = rms_norm(h) * w`.
+
+Every decoder layer adds its mixer's output to the residual stream and normalises the sum
+for its FFN, and adds the FFN's output and normalises for the next layer (or the LM head):
+two MLX operations each time, four per layer, each with a fixed launch cost that dwarfs
+its work at small batch on MLX's CUDA backend. One block per row: the block writes the
+sum in the stream's dtype, reduces the squares of those rounded values (what the portable
+`h = x + m; mx.fast.rms_norm(h, w)` normalises) in f32 and writes the normalised row.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+from engine.kernels.cuda import available, cached_kernel
+
+_SOURCE = """
+    const long row = blockIdx.x;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    __shared__ float partial[BLOCK / 32];
+    float ss = 0.0f;
+    for (int j = tid; j < E; j += BLOCK) {
+        const T s = static_cast<T>(
+            static_cast<float>(x[row * E + j]) + static_cast<float>(m[row * E + j]));
+        h[row * E + j] = s;
+        const float f = static_cast<float>(s);
+        ss += f * f;
+    }
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, off);
+    if (lane == 0) partial[warp] = ss;
+    __syncthreads();
+    if (warp == 0) {
+        ss = lane < BLOCK / 32 ? partial[lane] : 0.0f;
+        #pragma unroll
+        for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, off);
+        if (lane == 0) partial[0] = ss;
+    }
+    __syncthreads();
+    const float inv = rsqrtf(partial[0] / E + EPS);
+    for (int j = tid; j < E; j += BLOCK) {
+        a[row * E + j] = static_cast<T>(static_cast<float>(h[row * E + j]) * inv * w[j]);
+    }
+"""
+
+
+def enabled() -> bool:
+    """On MLX's CUDA backend, unless SLOTSERVE_FUSED_ADD_NORM=0 asks for the portable ops."""
+    return available() and os.environ.get("SLOTSERVE_FUSED_ADD_NORM", "1") != "0"
+
+
+def add_rms_norm_cuda(
+    x: mx.array, m: mx.array, w: mx.array, eps: float
+) -> tuple[mx.array, mx.array]:
+    """`x`, `m` `[N, E]` of one dtype, `w` `[E]`: returns (`x + m`, its RMSNorm times `w`)."""
+    N, E = x.shape
+    if m.shape != x.shape or m.dtype != x.dtype or w.shape != (E,):
+        raise ValueError(f"add_rms_norm_cuda: x {x.shape} {x.dtype}, m {m.shape} {m.dtype}")
+    kernel = cached_kernel(
+        "add_rms_norm",
+        repr(eps),
+        ["x", "m", "w"],
+        ["h", "a"],
+        f"    constexpr float EPS = {eps!r}f;\n" + _SOURCE,
+    )
+    block = 256 if E >= 2048 else 128
+    h, a = kernel(
+        inputs=[x, m, w.astype(mx.float32)],
+        template=[("T", x.dtype), ("E", E), ("BLOCK", block)],
+        grid=(N * block, 1, 1),
+        threadgroup=(block, 1, 1),
+        output_shapes=[(N, E), (N, E)],
+        output_dtypes=[x.dtype, x.dtype],
+    )
+    return h, a

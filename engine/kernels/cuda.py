@@ -1,0 +1,33 @@
+"""What every CUDA kernel module here shares: where the kernels can run, and one cache of
+compiled kernels keyed by family and source variant."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+_kernels: dict[tuple[str, str], Any] = {}
+
+
+def available() -> bool:
+    """True where the kernels can run: MLX's CUDA backend on the default GPU device."""
+    return bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu
+
+
+def cached_kernel(
+    family: str, variant: str, inputs: list[str], outputs: list[str], source: str
+) -> Any:
+    """The `mx.fast.cuda_kernel` of `family` for `variant` (a source variant: floats such as
+    eps are baked into the source, as template arguments are integers and types only),
+    made once per process."""
+    key = (family, variant)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        kernel = _kernels[key] = mx.fast.cuda_kernel(
+            name=f"slotserve_{family}_{len(_kernels)}",
+            input_names=inputs,
+            output_names=outputs,
+            source=source,
+        )
+    return kernel
