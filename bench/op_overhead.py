@@ -4,7 +4,9 @@ A decode step of a small model is hundreds of small operations, so what one
 operation costs regardless of its size decides the small-batch speed. This
 chains K operations of one kind on tiny inputs and reports microseconds per
 operation, for: elementwise ops (which compile fuses), row reductions (which
-it cannot fuse), small matmuls, gathers and scatters.
+it cannot fuse), small matmuls, gathers and scatters, `mx.fast.rms_norm`, and
+on MLX's CUDA backend one of our own `mx.fast.cuda_kernel`s (the residual
+add + RMSNorm), which says what a custom kernel launch costs.
 
     python bench/op_overhead.py --k 200
 """
@@ -48,7 +50,22 @@ def chain(kind: str, k: int) -> tuple[Callable[..., mx.array], list[mx.array]]:
             table[idx] = rows
         return table
 
+    def rms_norm(x: mx.array, w: mx.array) -> mx.array:
+        for _ in range(k):
+            x = mx.fast.rms_norm(x, w[0], 1e-6)
+        return x
+
+    def add_rms_norm(x: mx.array, w: mx.array) -> mx.array:
+        from engine.kernels.add_norm_cuda import add_rms_norm_cuda
+
+        h = x
+        for _ in range(k // 2):
+            h, x = add_rms_norm_cuda(h, x, w[0], 1e-6)
+        return x
+
     cases: dict[str, tuple[Callable[..., mx.array], list[mx.array]]] = {
+        "rms_norm": (rms_norm, [x, w]),
+        "add_rms_norm_cuda (2 per call)": (add_rms_norm, [x, w]),
         "elementwise": (elementwise, [x]),
         "reduction": (reduction, [x]),
         "matmul_1x1024x1024": (matmul, [x, w]),
@@ -68,7 +85,12 @@ def main() -> None:
     p.add_argument("--json")
     args = p.parse_args()
     rows = []
-    for kind in ("elementwise", "reduction", "matmul_1x1024x1024", "gather+scatter"):
+    from engine.kernels.cuda import available
+
+    kinds = ["elementwise", "reduction", "matmul_1x1024x1024", "gather+scatter", "rms_norm"]
+    if available():
+        kinds.append("add_rms_norm_cuda (2 per call)")
+    for kind in kinds:
         fn, inputs = chain(kind, args.k)
         eager = per_op_us(fn, inputs, args.k, args.reps)
         compiled = per_op_us(mx.compile(fn), inputs, args.k, args.reps)

@@ -88,13 +88,20 @@ class Ours:
         return np.stack([np.array(x) for x in self._step([[t] for t in tokens])])
 
     def greedy(self, tokens: Sequence[int]) -> list[int]:
+        """One decode step and the argmax of every row, over the step's packed logits (as
+        the scheduler samples), not a slice per row."""
         import mlx.core as mx
 
-        logits = self._step([[t] for t in tokens])
-        return [int(t) for t in mx.argmax(mx.stack(logits), axis=-1).tolist()]
+        from engine.runner import last_logits
+
+        out = self._run([[t] for t in tokens])
+        return [int(t) for t in mx.argmax(last_logits(out.rows), axis=-1).tolist()]
 
     def _step(self, rows: list[list[int]]) -> list[Any]:
         """One runner step; each row's last-position logits (`mx.array [vocab]`)."""
+        return [r.logits[-1] for r in self._run(rows).rows]
+
+    def _run(self, rows: list[list[int]]) -> Any:
         from engine.runner import Row
 
         batch = [
@@ -103,7 +110,7 @@ class Ours:
         ]
         out = self.runner.step(batch)
         self.lengths = [n + len(toks) for n, toks in zip(self.lengths, rows, strict=True)]
-        return [r.logits[-1] for r in out.rows]
+        return out
 
 
 GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16 = 0, 1, 30

@@ -282,6 +282,20 @@ class ModelRunner:
         return list(slots)
 
 
+def last_logits(outputs: Sequence[RowOutput]) -> mx.array:
+    """`[N, V]`: each output's last logits row — one slice of the step's packed logits when
+    the outputs lie there side by side with one row each (plain decode rows), else gathered."""
+    first = outputs[0].packed
+    if first is not None:
+        packed, at = first[0], first[2]
+        if all(
+            o.packed is not None and o.packed[0] is packed and o.packed[2:] == (at + i, 1)
+            for i, o in enumerate(outputs)
+        ):
+            return packed[at : at + len(outputs)]
+    return mx.concatenate([o.logits[-1:] for o in outputs])
+
+
 def _token_array(batch: Sequence[Row] | Sequence[DraftRow]) -> mx.array:
     """The batch's tokens packed row after row (any integer type, numpy's included)."""
     return mx.array([int(t) for r in batch for t in r.tokens], dtype=mx.int32)

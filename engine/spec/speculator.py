@@ -30,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cache import SlotId
-from engine.runner import ModelRunner, Row, RowOutput
+from engine.runner import ModelRunner, Row, RowOutput, last_logits
 from engine.sampling import RequestRng, SamplingParams, adjust_logits, distribution, sample
 from engine.spec.acceptance import accept
 from engine.spec.controller import MODES, CostController, Offer
@@ -311,7 +311,7 @@ class Speculator:
         The same tokens `_accept` would give for K = 0, at a fraction of its cost."""
         params = [d.params for d in decoding]
         histories = [d.history if d.params.penalized else () for d in decoding]
-        logits = _last_logits(outputs)
+        logits = last_logits(outputs)
         adjusted = adjust_logits(logits, params, histories)
         tokens = sample(adjusted, params, [d.rng for d in decoding]).tolist()
         committed = []
@@ -414,20 +414,6 @@ class Speculator:
         self._cycle = None
         if self.runner.last_tokens == tokens:
             self.controller.observe_step(width, depth, time.perf_counter() - start)
-
-
-def _last_logits(outputs: Sequence[RowOutput]) -> mx.array:
-    """`[N, V]`: each output's last logits row — one slice of the step's packed logits when
-    the outputs lie there side by side with one row each (plain decode rows), else gathered."""
-    first = outputs[0].packed
-    if first is not None:
-        packed, at = first[0], first[2]
-        if all(
-            o.packed is not None and o.packed[0] is packed and o.packed[2:] == (at + i, 1)
-            for i, o in enumerate(outputs)
-        ):
-            return packed[at : at + len(outputs)]
-    return mx.concatenate([o.logits[-1:] for o in outputs])
 
 
 def _per_slot(rows: mx.array, ks: list[int]) -> mx.array:
