@@ -99,6 +99,7 @@ def load_target(path: str | Path) -> tuple[Hyper, Params]:
         ssm_time_step_rank=c.ssm_hv, ssm_state_size=c.ssm_dk, conv_kernel=c.conv_kernel,
         n_ff=c.n_ff, vocab_size=c.n_vocab, rms_eps=c.rms_eps,
     )  # fmt: skip
+    hyper.check()
     if tuple(hyper.is_recurrent(i) for i in range(c.n_layer)) != c.recurrent:
         raise ValueError(f"{path}: layer pattern {c.recurrent} has no fixed attention interval")
     trunk = [n for n in f.tensor_names if not n.startswith(f"blk.{c.n_layer}.")]
@@ -215,6 +216,9 @@ class DraftForward:
         ctx_pos: mx.array,
         mask: mx.array,
     ) -> mx.array:
+        """Block inputs `a [B, A*S, E]` (normed) attend over the context `ctx [B, T, E]`
+        (K/V by this layer's own matrices, K normed and rotated at `ctx_pos`) followed by
+        the blocks themselves, as `mask` allows -> `[B, A*S, E]`."""
         s, fwd = self.spec, self.fwd
         B, Q, _ = a.shape
         H, Hkv, D = s.n_head, s.n_head_kv, s.head_dim
