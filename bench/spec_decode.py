@@ -12,7 +12,9 @@ decode time (it waits for its slowest request); `busy tok/s` counts only the
 steps while all N requests were decoding — the rate of N concurrent streams,
 which is what a serving scheduler that refills slots sees.
 
-Text: random-weight models do not copy their prompts, so the only repetitive
+Text: `--ids ids.npz` (the demo model's packed ids, tools/demo_model) takes `heldout`
+prompts of `--prompt-len` tokens spread over the held-out split — what a trained model
+should be measured on. Without it: random-weight models do not copy their prompts, so the only repetitive
 text they produce is their own greedy loops. The tiny preset with tied
 embeddings loops often; `loops` are prompts (a random phrase said three times)
 whose plain greedy continuation repeats itself, screened by running it; `fresh`
@@ -21,7 +23,13 @@ nothing (the head never learned to predict its trunk); it is measured anyway.
 
     python bench/spec_decode.py [--preset tiny | --model FILE.gguf] [--n 1,8] [--gen 64]
                                 [--repeats 3] [--device cpu|gpu] [--compile]
-                                [--dflash FILE.gguf | random]
+                                [--dflash FILE.gguf | random] [--ids IDS.npz]
+                                [--configs plain,ngram,mtp,dflash] [--json OUT.json]
+
+The demo model with its trained drafter (issue 10), held-out prompts, N = 1 and 8:
+
+    python bench/spec_decode.py --model models/slotserve-demo.gguf --dflash DRAFTER.gguf \
+        --ids IDS.npz --k 7 --n 1,8
 
 `--dflash FILE.gguf` adds a DFlash drafter made for the model ("dflash" auto and on;
 `--dflash random` writes a random one, which only shows what drafting costs); give it
@@ -29,9 +37,10 @@ nothing (the head never learned to predict its trunk); it is measured anyway.
 
 `--model` takes any qwen35 GGUF with an MTP block (the trained demo model of issue 8);
 the table ends with issue 9's targets (auto mode: >= 1.6x plain at N = 1, >= 1.25x at
-N = 8), each met or not.
+N = 8), each met or not. `accepted/round` is the acceptance length: draft tokens accepted
+per verify round (the bonus token not counted); `--configs` keeps only the named drafters.
 
-Prints a markdown table; writes out/bench/spec_decode[_<device>][_compiled].json.
+Prints a markdown table; writes `--json` or out/bench/spec_decode[_<device>][_compiled].json.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ import numpy as np
 from engine.cache import SlotPool
 from engine.dflash_writer import DFlashSpec, write_dflash
 from engine.generate import greedy_tokens
+from engine.gguf import TensorFile
 from engine.models.qwen35 import Model, load_model
 from engine.runner import ModelRunner
 from engine.spec.dflash import DFlashModel, load_dflash
@@ -89,11 +99,29 @@ def prompt_sets(model: Model, n: int, gen: int) -> dict[str, list[list[int]]]:
     raise SystemExit(f"{n} looping prompts not found in {100 * n}; try the tied tiny preset")
 
 
+def held_out_prompts(model: Model, ids: Path, n: int, length: int) -> dict[str, list[list[int]]]:
+    """`heldout`: n prompts of `length` tokens spread over the held-out split of `ids`."""
+    from tools.demo_model.data import load_ids
+    from tools.demo_model.report import prompts_from
+
+    _, heldout, _ = load_ids(ids)
+    eot = TensorFile(model.path).get("tokenizer.ggml.bos_token_id", -1)  # the file separator
+    prompts = prompts_from(heldout, n, length, int(eot))
+    if len(prompts) < n:
+        raise SystemExit(f"{ids}: only {len(prompts)} held-out prompts of {length} tokens")
+    return {"heldout": prompts}
+
+
 def speculator(
-    model: Model, drafter: str, n: int, args: argparse.Namespace, dflash: DFlashModel | None
+    model: Model,
+    drafter: str,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+    dflash: DFlashModel | None,
 ) -> Speculator:
     """One engine per configuration, kept across its runs as a server keeps it."""
-    context = 64 + args.gen + args.k + 1
+    n = len(prompts)
+    context = max(len(p) for p in prompts) + args.gen + args.k + 1
     pool = SlotPool(model.config, n, context, mx.float32, max_draft=args.k)
     runner = ModelRunner(model, pool, compile=args.compile)
     drafters: list[Drafter] = []
@@ -114,7 +142,8 @@ def measure(
     dflash: DFlashModel | None = None,
 ) -> list[dict[str, object]]:
     configs = CONFIGS + ([("dflash", "auto"), ("dflash", "on")] if dflash else [])
-    specs = {c: speculator(model, c[0], len(prompts), args, dflash) for c in configs}
+    configs = [c for c in configs if c[0] in args.configs.split(",")]
+    specs = {c: speculator(model, c[0], prompts, args, dflash) for c in configs}
     requests = {c: [Request(p, args.gen, speculation=c[1]) for p in prompts] for c in configs}
     runs: dict[tuple[str, str], list[Run]] = {c: [] for c in configs}
     for c in configs:  # warm-up: kernel builds, allocations and the controller's first steps
@@ -203,7 +232,13 @@ def main() -> None:
     ap.add_argument("--device", choices=["default", "cpu", "gpu"], default="default")
     ap.add_argument("--compile", action="store_true", help="mx.compile the runner's step")
     ap.add_argument("--dflash", help="a DFlash drafter GGUF for the model, or 'random'")
+    ap.add_argument("--ids", type=Path, help="packed ids (ids.npz): held-out prompts")
+    ap.add_argument("--prompt-len", type=int, default=64, help="tokens per held-out prompt")
+    ap.add_argument("--configs", default="plain,ngram,mtp,dflash", help="drafters to run")
+    ap.add_argument("--json", type=Path, help="where the report goes")
     args = ap.parse_args()
+    if "plain" not in args.configs.split(","):
+        ap.error("--configs needs plain: speed-ups are against it")
     if args.device != "default":
         mx.set_default_device(mx.cpu if args.device == "cpu" else mx.gpu)
     path = args.model or harness.bench_model(
@@ -218,7 +253,10 @@ def main() -> None:
     elif args.dflash:
         dflash = load_dflash(args.dflash, model)
     ns = [int(x) for x in args.n.split(",")]
-    sets = prompt_sets(model, max(ns), args.gen)
+    if args.ids:
+        sets = held_out_prompts(model, args.ids, max(ns), args.prompt_len)
+    else:
+        sets = prompt_sets(model, max(ns), args.gen)
     rows = [
         r
         for n in ns
@@ -241,11 +279,12 @@ def main() -> None:
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "rows": rows,
     }
-    OUT.mkdir(parents=True, exist_ok=True)
     suffix = ("" if args.device == "default" else f"_{args.device}") + (
         "_compiled" if args.compile else ""
     )
-    (OUT / f"spec_decode{suffix}.json").write_text(json.dumps(report, indent=2))
+    path = args.json or OUT / f"spec_decode{suffix}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
     train                          (GPU machine: numpy + mlx + this repository only)
     export -> report               (CPU machine, from the run directory train wrote)
     smoke                          (all of it, tiny, on CPU)
+    dflash-train -> dflash-export  (a DFlash drafter for a trained model file, issue 10)
 
 Heavier imports happen inside each step, so `train` never loads `gguf` or `tokenizers`.
 
@@ -16,6 +17,12 @@ The shipped model, step by step (defaults write under out/demo/):
     # back here, with the run directory it wrote:
     python -m tools.demo_model export --run RUN --out MODEL.gguf
     python -m tools.demo_model report MODEL.gguf
+
+The DFlash drafter of the shipped model (GPU machine; ~4 minutes):
+
+    python3 -m tools.demo_model dflash-train --target models/slotserve-demo.gguf \
+        --ids out/demo/data/ids.npz --run $OUT/dflash --time-limit 300 --no-compile
+    python3 -m tools.demo_model dflash-export --run $OUT/dflash --out $OUT/dflash/drafter.gguf
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ import sys
 from pathlib import Path
 
 from tools.demo_model.config import RECIPES, Recipe
+from tools.demo_model.dflash import DFLASH_RECIPES, DFlashRecipe
+from tools.demo_model.train import RunOptions
 
 DATA = Path("out/demo/data")
 RUN = Path("out/demo/run")
@@ -39,6 +48,36 @@ def recipe_from(args: argparse.Namespace) -> Recipe:
         for f in ("seq_len", "batch", "steps", "lr", "warmup", "dtype", "seed")
         if getattr(args, f, None) is not None
     }
+    return dataclasses.replace(r, **changes)
+
+
+def add_run_options(parser: argparse.ArgumentParser, save_dtype: str) -> None:
+    """The flags of `train.RunOptions`."""
+    parser.add_argument("--time-limit", type=float, default=None, help="seconds, compile included")
+    parser.add_argument("--checkpoint-s", type=float, default=60.0)
+    parser.add_argument("--eval-s", type=float, default=30.0, help="held-out check period; 0: none")
+    parser.add_argument("--save-dtype", choices=("float16", "float32"), default=save_dtype)
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="mx.compile the step (--no-compile on CUDA: its JIT took 337 s for step 1)",
+    )
+
+
+def run_options(args: argparse.Namespace) -> RunOptions:
+    return RunOptions(args.time_limit, args.checkpoint_s, args.eval_s, args.save_dtype,
+                      compile=args.compile)  # fmt: skip
+
+
+def dflash_recipe_from(args: argparse.Namespace) -> DFlashRecipe:
+    r = DFLASH_RECIPES[args.recipe]
+    names = {"layers": "n_layer"}
+    flags = ("seq_len", "batch", "steps", "lr", "warmup", "dtype", "seed", "anchors",
+             "block_size", "layers")  # fmt: skip
+    changes = {names.get(f, f): getattr(args, f) for f in flags if getattr(args, f) is not None}
+    if args.target_layers:
+        changes["target_layers"] = tuple(int(i) for i in args.target_layers.split(","))
     return dataclasses.replace(r, **changes)
 
 
@@ -65,21 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--ids", type=Path, default=DATA / "ids.npz")
     t.add_argument("--run", type=Path, default=RUN)
     t.add_argument("--recipe", choices=sorted(RECIPES), default="full")
-    t.add_argument("--time-limit", type=float, default=None, help="seconds, compile included")
-    t.add_argument("--checkpoint-s", type=float, default=60.0)
-    t.add_argument("--eval-s", type=float, default=30.0, help="held-out check period; 0: none")
-    t.add_argument("--save-dtype", choices=("float16", "float32"), default="float16")
+    add_run_options(t, save_dtype="float16")
     for flag, kind in (("--seq-len", int), ("--batch", int), ("--steps", int), ("--lr", float)):
         t.add_argument(flag, type=kind, default=None)
     t.add_argument("--warmup", type=int, default=None)
     t.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     t.add_argument("--seed", type=int, default=None)
-    t.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="mx.compile the step (--no-compile on CUDA: its JIT took 337 s for step 1)",
-    )
 
     e = sub.add_parser("export", help="RUN/weights-*.npz -> GGUF with its tokenizer")
     e.add_argument("--run", type=Path, default=RUN)
@@ -94,6 +124,23 @@ def main(argv: list[str] | None = None) -> int:
 
     s = sub.add_parser("smoke", help="every step, tiny, on CPU")
     s.add_argument("--dir", type=Path, default=Path("out/demo-smoke"))
+
+    d = sub.add_parser("dflash-train", help="train a DFlash drafter for --target on DATA ids")
+    d.add_argument("--target", type=Path, required=True, help="the model's GGUF file")
+    d.add_argument("--ids", type=Path, default=DATA / "ids.npz")
+    d.add_argument("--run", type=Path, default=Path("out/demo/dflash"))
+    d.add_argument("--recipe", choices=sorted(DFLASH_RECIPES), default="full")
+    add_run_options(d, save_dtype="float32")  # a drafter is small: keep what it learned
+    for flag, kind in (("--seq-len", int), ("--batch", int), ("--steps", int), ("--lr", float),
+                       ("--warmup", int), ("--seed", int), ("--anchors", int),
+                       ("--block-size", int), ("--layers", int)):  # fmt: skip
+        d.add_argument(flag, type=kind, default=None)
+    d.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    d.add_argument("--target-layers", default=None, help="comma-separated trunk layers")
+
+    x = sub.add_parser("dflash-export", help="RUN/weights-*.npz -> the drafter's GGUF")
+    x.add_argument("--run", type=Path, default=Path("out/demo/dflash"))
+    x.add_argument("--out", type=Path, default=None, help="default RUN/<name>.<quant>.gguf")
 
     args = ap.parse_args(argv)
     if args.cmd == "corpus":
@@ -111,8 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.cmd == "train":
         from tools.demo_model.train import train
 
-        train(recipe_from(args), args.ids, args.run, args.time_limit, args.checkpoint_s,
-              args.eval_s, args.save_dtype, compile=args.compile)  # fmt: skip
+        train(recipe_from(args), args.ids, args.run, run_options(args))
     elif args.cmd == "export":
         from tools.demo_model.export import export
 
@@ -125,6 +171,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             args.out.write_text(text)
         print(text)
+    elif args.cmd == "dflash-train":
+        from tools.demo_model.dflash_train import dflash_train
+
+        dflash_train(dflash_recipe_from(args), args.target, args.ids, args.run, run_options(args))
+    elif args.cmd == "dflash-export":
+        from tools.demo_model.dflash_train import dflash_export
+
+        print(json.dumps(dflash_export(args.run, args.out)))
     elif args.cmd == "smoke":
         from tools.demo_model.export import smoke
 

@@ -1,4 +1,5 @@
-"""The two recipes: `full` (the shipped demo model) and `smoke` (the CPU test).
+"""The two recipes: `full` (the shipped demo model) and `smoke` (the CPU test), and the
+`Schedule` every training run here shares (the DFlash drafter's included).
 
 A recipe is the model's `engine.writer.ModelSpec` fields (as a plain dict, so the GPU side
 needs no `gguf`) plus the training settings. Every run writes the recipe it used next to its
@@ -61,15 +62,15 @@ SMOKE_SPEC: dict[str, Any] = {
 
 
 @dataclass(frozen=True)
-class Recipe:
-    """What `train` needs: the model and how to fit it.
+class Schedule:
+    """How a run fits its weights, whatever they are (`train.fit`): random windows of
+    `seq_len` tokens, `batch` per step, AdamW at `lr` with decoupled `weight_decay`.
 
     The learning rate warms up linearly over `warmup` steps, then follows a cosine to
     `min_lr_ratio * lr` over the run's progress, which is the larger of steps done / `steps`
     and seconds spent / the time limit, so a run cut short by its time limit still anneals.
     """
 
-    spec: dict[str, Any] = field(default_factory=lambda: dict(FULL_SPEC))
     seq_len: int = 512
     batch: int = 32
     steps: int = 3000
@@ -77,12 +78,19 @@ class Recipe:
     min_lr_ratio: float = 0.1
     warmup: int = 100
     weight_decay: float = 0.1
-    mtp_weight: float = 0.3  # the MTP loss's share of the objective
     dtype: str = "bfloat16"  # matmul dtype; weights, norms and the recurrence stay float32
     seed: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Recipe(Schedule):
+    """What `train` needs: the model (`spec`) and how to fit it."""
+
+    spec: dict[str, Any] = field(default_factory=lambda: dict(FULL_SPEC))
+    mtp_weight: float = 0.3  # the MTP loss's share of the objective
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Recipe:

@@ -14,7 +14,7 @@ from engine.writer import ModelSpec, write_model
 from tools.demo_model.config import RECIPES
 from tools.demo_model.data import pack, vocab_digest, write_corpus, write_vocab
 from tools.demo_model.model import to_gguf_weights
-from tools.demo_model.train import read_weights, train
+from tools.demo_model.train import RunOptions, read_weights, train
 
 MAX_FILE_BYTES = 25_000_000
 
@@ -60,7 +60,7 @@ def smoke(root: Path) -> dict[str, Any]:
         "vocab": write_vocab(data, recipe.spec["vocab_size"]),
         "pack": pack(data),
     }
-    prog = train(recipe, data / "ids.npz", run, time_limit_s=120.0, log_every=10)
+    prog = train(recipe, data / "ids.npz", run, RunOptions(time_limit_s=120.0))
     result["train"] = dataclasses.asdict(prog)
     result["export"] = export(run)
     result["report"] = report(Path(result["export"]["path"]), data, quick=True)

@@ -132,6 +132,17 @@ def to_gguf_weights(params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
+def from_gguf_weights(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A file's tensors -> trainable weights (`ssm_a` becomes `ssm_a_log = log(-ssm_a)`)."""
+    out = {}
+    for name, w in tensors.items():
+        if name.endswith(".ssm_a"):
+            out[name + "_log"] = np.log(-w.astype(np.float32))
+        else:
+            out[name] = w
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # Forward
 
@@ -157,20 +168,30 @@ class Forward:
 
     def trunk(self, p: Params, tokens: mx.array) -> mx.array:
         """Post-`output_norm` hidden states `[B, T, E]` (what both heads read)."""
+        return self.norm(self.layer_outputs(p, tokens)[-1], p["output_norm.weight"])
+
+    def layer_outputs(self, p: Params, tokens: mx.array, last: int | None = None) -> list[mx.array]:
+        """The outputs `[B, T, E]` of trunk layers 0..`last` (default: all), before any norm:
+        what the engine's runner taps for a DFlash drafter (`Row.taps`)."""
         x = p["token_embd.weight"][tokens]
-        for i in range(self.h.n_layer):
+        out = []
+        for i in range(self.h.n_layer if last is None else last + 1):
             x = self.layer(p, f"blk.{i}.", x, self.h.is_recurrent(i))
-        return self.norm(x, p["output_norm.weight"])
+            out.append(x)
+        return out
 
     def layer(self, p: Params, pre: str, x: mx.array, recurrent: bool) -> mx.array:
         a = self.norm(x, p[pre + "attn_norm.weight"])
         x = x + (self.gated_delta_net(p, pre, a) if recurrent else self.attention(p, pre, a))
-        f = self.norm(x, p[pre + "post_attention_norm.weight"])
+        return x + self.ffn(p, pre, self.norm(x, p[pre + "post_attention_norm.weight"]))
+
+    def ffn(self, p: Params, pre: str, f: mx.array) -> mx.array:
+        """The dense SwiGLU FFN of layer `pre` on normed inputs `f`."""
         gate, up = (
             self.linear(f, p[pre + "ffn_gate.weight"]),
             self.linear(f, p[pre + "ffn_up.weight"]),
         )
-        return x + self.linear(nn.silu(gate) * up, p[pre + "ffn_down.weight"])
+        return self.linear(nn.silu(gate) * up, p[pre + "ffn_down.weight"])
 
     def attention(self, p: Params, pre: str, a: mx.array) -> mx.array:
         h = self.h
@@ -252,12 +273,20 @@ def causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.
 
 def plain_causal_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
     """`causal_attention` in plain ops (softmax in float32)."""
+    T = q.shape[2]
+    return plain_attention(q, k, v, scale, mx.arange(T)[:, None] >= mx.arange(T)[None, :])
+
+
+def plain_attention(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array
+) -> mx.array:
+    """q `[B, H, Tq, D]`, k and v `[B, Hkv, Tk, D]`, boolean `mask` broadcasting to
+    `[B, H, Tq, Tk]` (True: attend) -> `[B, H, Tq, D]`, in plain ops (softmax in float32);
+    every query must see at least one key."""
     r = q.shape[1] // k.shape[1]
     k, v = mx.repeat(k, r, axis=1), mx.repeat(v, r, axis=1)  # query head h reads KV head h // r
-    T = q.shape[2]
     scores = (q @ k.swapaxes(-1, -2)).astype(mx.float32) * scale
-    causal = mx.arange(T)[:, None] >= mx.arange(T)[None, :]
-    weights = mx.softmax(mx.where(causal, scores, -mx.inf), axis=-1)
+    weights = mx.softmax(mx.where(mask, scores, -mx.inf), axis=-1)
     return weights.astype(v.dtype) @ v
 
 
