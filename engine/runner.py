@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 
@@ -28,8 +28,7 @@ class BatchError(ValueError):
     """A malformed batch; nothing was run and the pool is unchanged."""
 
 
-@dataclass(frozen=True)
-class Row:
+class Row(NamedTuple):
     """One slot's tokens for this step, starting at the slot's current length.
 
     `want`: indices within the row whose logits are returned (default: the last).
@@ -37,6 +36,9 @@ class Row:
     `taps`: also return the outputs of these trunk layers at `want`, side by side (what a
     DFlash drafter is conditioned on).
     `capture`: keep the linear-layer state after every position, for `SlotPool.rollback`.
+
+    A NamedTuple, not a frozen dataclass: a step builds one per decoding slot, and this
+    makes them in a third of the time.
     """
 
     slot: SlotId

@@ -98,11 +98,17 @@ class SpecStats:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
+    def record_plain(self) -> None:
+        """`record("", 0, 0)`: a step without drafts."""
+        self.steps += 1
+        self.choices[0] = self.choices.get(0, 0) + 1
+
     def record(self, drafter: str, drafted: int, accepted: int) -> None:
+        if not drafted:
+            self.record_plain()
+            return
         self.steps += 1
         self.choices[drafted] = self.choices.get(drafted, 0) + 1
-        if not drafted:
-            return
         self.verify_rounds += 1
         self.drafted += drafted
         self.accepted += accepted
@@ -315,8 +321,12 @@ class Speculator:
         adjusted = adjust_logits(logits, params, histories)
         tokens = sample(adjusted, params, [d.rng for d in decoding]).tolist()
         committed = []
+        followed = bool(self.drafters)  # else no drafter observes the trunk: count the step
         for i, (d, plan, out, tok) in enumerate(zip(decoding, plans, outputs, tokens, strict=True)):
-            self._commit(d.slot, plan, out, 0, 0)
+            if followed:
+                self._commit(d.slot, plan, out, 0, 0)
+            else:
+                self.stats(d.slot).record_plain()
             wanted = [adjusted[i]] if d.params.logprobs else []
             committed.append(Committed([tok], wanted, 0, 0, plan.drafter))
         return committed
