@@ -178,7 +178,7 @@ class Stepper:
         t0 = time.perf_counter()
         decoding = list(plan.decoding)
         try:
-            rows = self.speculator.plan([_decoding(s) for s in decoding])
+            rows = self.speculator.plan(_decodings(decoding))
         except Exception as e:
             result.failed += [(s, _describe(e)) for s in decoding]
             decoding, rows = [], []
@@ -204,8 +204,11 @@ class Stepper:
         self._snapshot(at, result.images, result)
         done = [(c.seq, outputs[i]) for i, c in enumerate(chunks) if i in outputs and c.completes]
         base = len(chunks)
-        ok = [i for i in range(len(decoding)) if base + i in outputs]
-        self._resolve([decoding[i] for i in ok], [outputs[base + i] for i in ok], result)
+        if len(outputs) == len(entries):  # every row ran (outputs are in entry order)
+            self._resolve(decoding, list(outputs.values())[base:], result)
+        else:
+            ok = [i for i in range(len(decoding)) if base + i in outputs]
+            self._resolve([decoding[i] for i in ok], [outputs[base + i] for i in ok], result)
         self._sample_first(done, result)
         result.sample_s = time.perf_counter() - t2
 
@@ -277,6 +280,8 @@ class Stepper:
                 for (s, _), o in zip(entries, rows, strict=True)
             ]
         finite = _finite_rows(rows)
+        if all(finite):
+            return dict(enumerate(rows, offset))
         outputs = {}
         for i, ((seq, _), o, ok) in enumerate(zip(entries, rows, finite, strict=True)):
             if ok:
@@ -289,7 +294,7 @@ class Stepper:
         if not seqs:
             return
         try:
-            committed = self.speculator.resolve([_decoding(s) for s in seqs], outputs)
+            committed = self.speculator.resolve(_decodings(seqs), outputs)
             for seq, c in zip(seqs, committed, strict=True):
                 # c.logits are there only when the request asked for log-probabilities
                 result.decoded.append(
@@ -375,9 +380,12 @@ def _finite_rows(rows: list[RowOutput]) -> list[bool]:
     return out
 
 
-def _decoding(seq: Seq) -> DecodingSlot:
-    assert seq.decoding is not None, f"{seq.id} decodes without a decode state"
-    return seq.decoding
+def _decodings(seqs: list[Seq]) -> list[DecodingSlot]:
+    states = [s.decoding for s in seqs]
+    if None in states:
+        missing = next(s.id for s in seqs if s.decoding is None)
+        raise AssertionError(f"{missing} decodes without a decode state")
+    return states  # type: ignore[return-value]  # (no None among them)
 
 
 def _slot(seq: Seq) -> SlotId:

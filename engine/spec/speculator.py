@@ -50,7 +50,7 @@ class SpecError(ValueError):
     """The speculator was driven out of order (e.g. resolve without plan); nothing changed."""
 
 
-@dataclass
+@dataclass(eq=False)  # a slot's live state: equal only to itself (and cheap to look for)
 class DecodingSlot:
     """One slot that decodes this step.
 
