@@ -375,7 +375,10 @@ class Scheduler:
         unpublished = self._unpublished
         for seq, committed, logprobs in result.decoded:
             if seq.ending is None and seq.phase is not Phase.DONE:  # seq.live, inlined
-                seq.spec.record(committed.drafter, committed.drafted, committed.accepted)
+                if committed.drafted:
+                    seq.spec.record(committed.drafter, committed.drafted, committed.accepted)
+                else:
+                    seq.plain_steps += 1
                 seq.commit(committed.tokens, logprobs)
                 unpublished.append(seq)
 

@@ -67,6 +67,7 @@ class Sequence:
     last_token_at: float | None = None
     itl_max_s: float = 0.0
     spec: SpecRecord = field(default_factory=SpecRecord)  # recorded from each step's Committed
+    plain_steps: int = 0  # steps without drafts not yet in `spec` (counted there at the end)
     # Prefix reuse (`scheduler.prefix_reuse`): the cached prefix to restore on admission,
     # the prompt tokens it saved, where to snapshot the prompt, the snapshots taken so far.
     restore: CachedPrefix[SlotImage] | None = None
@@ -185,6 +186,9 @@ class Sequence:
     def finished(self, reason: FinishReason, now: float, error: str | None = None) -> Finished:
         """The terminal event; the sequence is DONE afterwards."""
         self.phase = Phase.DONE
+        if self.plain_steps:
+            self.spec.record_plain(self.plain_steps)
+            self.plain_steps = 0
         first, last, n = self.first_token_at, self.last_token_at, len(self.output)
         t0 = self.submitted_at
         itl = (last - first) / (n - 1) if first is not None and last is not None and n > 1 else None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -70,13 +71,13 @@ class DecodingSlot:
     remaining: int | None = None
 
 
-@dataclass
-class Committed:
-    """What one slot committed in a step, with what the sampler saw for each token."""
+class Committed(NamedTuple):
+    """What one slot committed in a step, with what the sampler saw for each token.
+    (A NamedTuple: every decoding slot makes one per step.)"""
 
     tokens: list[int]
     # adjusted logits per token, [V] each; only when the request asks for log-probabilities
-    logits: list[mx.array] = field(default_factory=list)
+    logits: list[mx.array]
     drafted: int = 0
     accepted: int = 0
     drafter: str = ""  # "" when the slot did not draft
@@ -98,10 +99,10 @@ class SpecStats:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
-    def record_plain(self) -> None:
-        """`record("", 0, 0)`: a step without drafts."""
-        self.steps += 1
-        self.choices[0] = self.choices.get(0, 0) + 1
+    def record_plain(self, steps: int = 1) -> None:
+        """`record("", 0, 0)`, `steps` times: steps without drafts."""
+        self.steps += steps
+        self.choices[0] = self.choices.get(0, 0) + steps
 
     def record(self, drafter: str, drafted: int, accepted: int) -> None:
         if not drafted:
@@ -182,6 +183,8 @@ class Speculator:
         self.controller = controller if controller is not None else CostController()
         self._plans: dict[SlotId, _Plan] = {}
         self._stats: dict[SlotId, SpecStats] = {}
+        # Plain steps per slot not yet in its SpecStats: counted for a whole step at once
+        self._plain_steps = np.zeros(runner.pool.n_slots, dtype=np.int64)
         self._cycle: tuple[float, int, int] | None = None  # start, row tokens, depth
 
     # -- a slot's life -------------------------------------------------------------------
@@ -221,7 +224,9 @@ class Speculator:
         for d in self.drafters:
             d.release(slot)
         self.controller.forget(slot)
-        return self._stats.pop(slot, SpecStats())
+        stats = self.stats(slot)
+        del self._stats[slot]
+        return stats
 
     def export(self, slot: SlotId) -> dict[str, DrafterState]:
         """The drafters' state for `slot`, by drafter name (for a snapshot of the slot)."""
@@ -244,6 +249,10 @@ class Speculator:
         stats = self._stats.get(slot)
         if stats is None:  # (not setdefault: that would build a SpecStats every call)
             stats = self._stats[slot] = SpecStats()
+        plain = int(self._plain_steps[slot])
+        if plain:
+            stats.record_plain(plain)
+            self._plain_steps[slot] = 0
         return stats
 
     # -- a step ---------------------------------------------------------------------------
@@ -320,16 +329,15 @@ class Speculator:
         logits = _last_logits(outputs)
         adjusted = adjust_logits(logits, params, histories)
         tokens = sample(adjusted, params, [d.rng for d in decoding]).tolist()
-        committed = []
-        followed = bool(self.drafters)  # else no drafter observes the trunk: count the step
-        for i, (d, plan, out, tok) in enumerate(zip(decoding, plans, outputs, tokens, strict=True)):
-            if followed:
+        if self.drafters:
+            for d, plan, out in zip(decoding, plans, outputs, strict=True):
                 self._commit(d.slot, plan, out, 0, 0)
-            else:
-                self.stats(d.slot).record_plain()
-            wanted = [adjusted[i]] if d.params.logprobs else []
-            committed.append(Committed([tok], wanted, 0, 0, plan.drafter))
-        return committed
+        else:  # no drafter observes the trunk: only the slots' steps are counted
+            self._plain_steps[np.fromiter((d.slot for d in decoding), np.intp)] += 1
+        return [
+            Committed([tok], [adjusted[i]] if d.params.logprobs else [], 0, 0, plan.drafter)
+            for i, (d, plan, tok) in enumerate(zip(decoding, plans, tokens, strict=True))
+        ]
 
     def _accept(
         self,
