@@ -313,7 +313,6 @@ class Scheduler:
         self._active = keep
 
     def _plan(self, now: float) -> StepPlan | None:
-        admitted = self._admit(now)
         decoding: list[Sequence] = []
         prefilling: list[Sequence] = []
         for s in self._active:
@@ -321,6 +320,8 @@ class Scheduler:
                 decoding.append(s)
             elif s.phase is Phase.PREFILL:
                 prefilling.append(s)
+        admitted = self._admit(now, sum(len(s.prompt) - s.prefilled for s in prefilling))
+        prefilling += admitted  # (they join the end of `_active`, in order)
         if not decoding and not prefilling and not self._to_snapshot:
             return None  # (a finished request's snapshot is taken even when nothing runs)
         free, self._to_free = self._to_free, []
@@ -336,10 +337,11 @@ class Scheduler:
             snapshot,
         )
 
-    def _admit(self, now: float) -> list[Sequence]:
-        """Move waiting requests into slots, best first, while they fit. The head of the
-        queue is never skipped for a smaller request behind it (no starvation)."""
-        backlog = sum(len(s.prompt) - s.prefilled for s in self._active if s.phase == Phase.PREFILL)
+    def _admit(self, now: float, backlog: int) -> list[Sequence]:
+        """Move waiting requests into slots, best first, while they fit and the prompt
+        tokens still to prefill (`backlog`, the running prompts') leave room in the token
+        budget. The head of the queue is never skipped for a smaller request behind it (no
+        starvation)."""
         admitted: list[Sequence] = []
         while self._state == _State.RUNNING and backlog < self.config.max_batch_tokens:
             head = self._queue.peek()

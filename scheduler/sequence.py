@@ -78,12 +78,9 @@ class Sequence:
     _logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.id = self.prepared.request_id  # (read per step: an attribute, not a property)
         self.detok = self.tokenizer.detokenizer()
         self.stops = StopMatcher(self.prepared.request.stop)
-
-    @property
-    def id(self) -> str:
-        return self.prepared.request_id
 
     @property
     def prompt(self) -> list[int]:
