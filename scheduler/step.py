@@ -40,6 +40,7 @@ from engine.spec.speculator import (
     DecodingSlot,
     SpecStats,
     Speculator,
+    StatsBySlot,
     sample_rows,
 )
 from scheduler.outcome import TokenLogprob
@@ -107,7 +108,7 @@ def prefill_chunks(prefilling: Sequence[Seq], budget: int, max_chunk: int) -> li
     return chunks
 
 
-HOST_ONLY = (int, float, str, bool, type(None), SpecStats, CostController)
+HOST_ONLY = (int, float, str, bool, type(None), SpecStats, StatsBySlot, CostController)
 """Types that hold no MLX arrays: `materialize` does not look inside them (the per-slot
 telemetry and the cost controller's estimates would cost a walk per step)."""
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import NamedTuple
 
 import mlx.core as mx
@@ -119,14 +120,22 @@ class SpecStats:
             self.accepted_at_depth[d] += 1
 
 
+class StatsBySlot(dict[SlotId, SpecStats]):
+    """Each slot's telemetry: host numbers only (a type of its own, so that a walk for MLX
+    arrays can pass over it without looking at every slot's entry)."""
+
+
 _NO_DRAFT = Draft()  # shared by plain rows; never changed
 
 
-@dataclass
+@dataclass(eq=False)  # (compared by identity: `_PLAIN` is found among a step's plans in C)
 class _Plan:
     drafter: str
     draft: Draft
     length: int  # the slot's trunk length when planned
+
+
+_PLAIN = _Plan("", _NO_DRAFT, -1)  # every slot's plan in a step without drafters
 
 
 def default_drafters(runner: ModelRunner, dflash: DFlashModel | None = None) -> list[Drafter]:
@@ -182,7 +191,7 @@ class Speculator:
         self.layers: tuple[int, ...] = taps.pop() if taps else ()
         self.controller = controller if controller is not None else CostController()
         self._plans: dict[SlotId, _Plan] = {}
-        self._stats: dict[SlotId, SpecStats] = {}
+        self._stats = StatsBySlot()
         # Plain steps per slot not yet in its SpecStats: counted for a whole step at once
         self._plain_steps = np.zeros(runner.pool.n_slots, dtype=np.int64)
         self._cycle: tuple[float, int, int] | None = None  # start, row tokens, depth
@@ -259,12 +268,15 @@ class Speculator:
     def plan(self, decoding: Sequence[DecodingSlot]) -> list[Row]:
         """One row per decoding slot, in order: `[pending, *drafts]` at the slot's length."""
         start = time.perf_counter()
-        lengths = [self.runner.pool.lengths[d.slot] for d in decoding]
+        pool_lengths = self.runner.pool.lengths
+        lengths = [pool_lengths[d.slot] for d in decoding]
         if not self.max_draft:  # nothing may draft (and no drafter has begun a slot)
-            rows = []
-            for d, n in zip(decoding, lengths, strict=True):
-                self._plans[d.slot] = _Plan("", _NO_DRAFT, n)
-                rows.append(Row(d.slot, [d.pending], n))
+            rows = [Row(d.slot, [d.pending], n) for d, n in zip(decoding, lengths, strict=True)]
+            if self.drafters:  # they may follow the trunk from each plan's length
+                for d, n in zip(decoding, lengths, strict=True):
+                    self._plans[d.slot] = _Plan("", _NO_DRAFT, n)
+            else:  # no one reads a plain plan's length: one plan serves every slot
+                self._plans.update(zip([d.slot for d in decoding], repeat(_PLAIN)))
             self._cycle = (start, len(rows), 0)
             return rows
         offers = [self._offer(d, n) for d, n in zip(decoding, lengths, strict=True)]
@@ -310,7 +322,7 @@ class Speculator:
         if not decoding:
             return []
         plans = [self._plans.pop(d.slot) for d in decoding]
-        ks = [len(p.draft.tokens) for p in plans]
+        ks = [] if plans.count(_PLAIN) == len(plans) else [len(p.draft.tokens) for p in plans]
         if any(ks):
             committed = self._accept(decoding, plans, outputs, ks)
         else:
@@ -440,10 +452,11 @@ def _last_logits(outputs: Sequence[RowOutput]) -> mx.array:
     first = outputs[0].packed
     if first is not None:
         packed, at = first[0], first[2]
-        if all(
-            o.packed is not None and o.packed[0] is packed and o.packed[2:] == (at + i, 1)
-            for i, o in enumerate(outputs)
-        ):
+        for i, o in enumerate(outputs, at):
+            q = o.packed
+            if q is None or q[0] is not packed or q[2] != i or q[3] != 1:
+                break
+        else:
             return packed[at : at + len(outputs)]
     return mx.concatenate([o.logits[-1:] for o in outputs])
 
