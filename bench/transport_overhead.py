@@ -13,12 +13,15 @@ publishing, the server's flush, ZeroMQ over ipc and the client's decoding: the
 whole path between a forward and a client. Everything else is the real thing —
 Scheduler, Server, SlotPool, the protocol over a real socket.
 
-Clients are bare DEALER sockets in one process (a closed loop: each keeps R
-requests in flight, replacing each as it ends), lean so that the server is
-what is measured.
+Clients are bare DEALER sockets in one process, or spread over `--client-procs`
+processes (a closed loop: each keeps R requests in flight, replacing each as it
+ends), lean so that the server is what is measured. One process reads its sockets
+one after another, so the last socket's Delta of a step is timed after the client
+has decoded all the others: with many connections per process that is part of the
+measured latency.
 
     python bench/transport_overhead.py [--clients 64] [--per-client 1 4 16] [--step-ms 0.5 2]
-                                       [--transport-only] [--no-gc-freeze]
+                                       [--client-procs 1] [--transport-only] [--no-gc-freeze]
 
 `--transport-only` also replaces the scheduler, by `StubScheduler` (benchmark only):
 what remains is the server, the protocol and the socket — the transport's ceiling.
@@ -37,6 +40,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -191,14 +195,17 @@ async def serve_and_load(
             if not args.no_gc_freeze:  # as the daemon does once it has warmed up
                 gc.collect()
                 gc.freeze()
-            result_file = Path(tmp) / "clients.npz"
-            cmd = [sys.executable, __file__, "--role-clients", endpoint, str(result_file)]
-            cmd += ["--clients", str(args.clients), "--per-client", str(per_client)]
-            cmd += ["--max-tokens", str(args.max_tokens), "--seconds", str(args.seconds)]
+            files = [Path(tmp) / f"clients-{i}.npz" for i in range(args.client_procs)]
             cpu0 = time.process_time()
-            await anyio.run_process(cmd, stdout=None, stderr=None)
+            async with anyio.create_task_group() as procs:
+                for i, result_file in enumerate(files):
+                    n_clients = len(range(i, args.clients, args.client_procs))
+                    cmd = [sys.executable, __file__, "--role-clients", endpoint, str(result_file)]
+                    cmd += ["--clients", str(n_clients), "--per-client", str(per_client)]
+                    cmd += ["--max-tokens", str(args.max_tokens), "--seconds", str(args.seconds)]
+                    procs.start_soon(partial(anyio.run_process, cmd, stdout=None, stderr=None))
             server_cpu = time.process_time() - cpu0
-            received = np.load(result_file)
+            received = merge_clients([dict(np.load(f)) for f in files])
     step_ends = stub.step_ends if args.transport_only else runner.step_ends
     times = scheduler.stats().times
     steps = max(times.steps, 1)
@@ -213,6 +220,7 @@ async def serve_and_load(
         "client_cpu_us_per_token": 1e6 * float(received["cpu_s"]) / tokens,
         "path": "transport only" if args.transport_only else "scheduler + transport",
         "clients": args.clients,
+        "client_procs": args.client_procs,
         "per_client": per_client,
         "step_ms": step_ms,
         "steps_per_s": len(step_ends) / args.seconds,
@@ -243,6 +251,15 @@ def measure(received: Any, step_ends: np.ndarray, vocab: int, slots: int) -> dic
         "added_ms_max": float(added.max()),
         "deltas_per_message": float(received["items"] / max(received["messages"], 1)),
     }
+
+
+def merge_clients(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """The records of several client processes as one; the window starts with the last."""
+    merged = {k: np.concatenate([part[k] for part in parts]) for k in ("at", "token", "count")}
+    merged["start"] = max(float(part["start"]) for part in parts)
+    for k in ("messages", "items", "cpu_s"):
+        merged[k] = sum(part[k] for part in parts)
+    return merged
 
 
 def _weighted_percentile(x: np.ndarray, w: np.ndarray, q: float) -> float:
@@ -318,10 +335,11 @@ def run_clients(
 
 def table(rows: list[dict[str, Any]]) -> str:
     """One line per configuration; `sample ms` is the scheduler's sampling time per step;
-    `srv` / `cli cpu us/tok`: CPU time of the server / client process per streamed token
+    `procs`: client processes; `srv` / `cli cpu us/tok`: CPU time of the server / the
+    client processes together per streamed token
     (all threads), which a machine shared with other work inflates far less than wall time."""
     head = (
-        f"{'path':<21} {'clients':>7} {'req/cl':>6} {'slots':>5} {'step ms':>7} "
+        f"{'path':<21} {'clients':>7} {'procs':>5} {'req/cl':>6} {'slots':>5} {'step ms':>7} "
         f"{'steps/s':>7} {'tokens/s':>9} {'added p50 ms':>12} {'added p99 ms':>12} "
         f"{'sample ms':>9} {'items/msg':>9} {'srv cpu us/tok':>14} {'cli cpu us/tok':>14}"
     )
@@ -329,7 +347,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         sample = r["scheduler_ms_per_step"]["sample_s"]
         lines.append(
-            f"{r['path']:<21} {r['clients']:>7} {r['per_client']:>6} {r['slots']:>5} "
+            f"{r['path']:<21} {r['clients']:>7} {r.get('client_procs', 1):>5} "
+            f"{r['per_client']:>6} {r['slots']:>5} "
             f"{r['step_ms']:>7.1f} {r['steps_per_s']:>7.0f} {r['tokens_per_s']:>9,.0f} "
             f"{r['added_ms_p50']:>12.3f} {r['added_ms_p99']:>12.3f} {sample:>9.2f} "
             f"{r['deltas_per_message']:>9.2f} {r['server_cpu_us_per_token']:>14.2f} "
@@ -344,6 +363,12 @@ def main() -> None:
     ap.add_argument("--per-client", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--step-ms", type=float, nargs="+", default=[0.5, 2.0])
     ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="processes the clients are spread over (one process reads its sockets one by one)",
+    )
     ap.add_argument("--seconds", type=float, default=5.0, help="per configuration")
     ap.add_argument(
         "--transport-only", action="store_true", help="replace the scheduler by StubScheduler"

@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 
@@ -28,8 +28,7 @@ class BatchError(ValueError):
     """A malformed batch; nothing was run and the pool is unchanged."""
 
 
-@dataclass(frozen=True)
-class Row:
+class Row(NamedTuple):
     """One slot's tokens for this step, starting at the slot's current length.
 
     `want`: indices within the row whose logits are returned (default: the last).
@@ -37,6 +36,9 @@ class Row:
     `taps`: also return the outputs of these trunk layers at `want`, side by side (what a
     DFlash drafter is conditioned on).
     `capture`: keep the linear-layer state after every position, for `SlotPool.rollback`.
+
+    A NamedTuple, not a frozen dataclass: a step builds one per decoding slot, and this
+    makes them in a third of the time.
     """
 
     slot: SlotId
@@ -288,10 +290,11 @@ def last_logits(outputs: Sequence[RowOutput]) -> mx.array:
     first = outputs[0].packed
     if first is not None:
         packed, at = first[0], first[2]
-        if all(
-            o.packed is not None and o.packed[0] is packed and o.packed[2:] == (at + i, 1)
-            for i, o in enumerate(outputs)
-        ):
+        for i, o in enumerate(outputs, at):
+            q = o.packed
+            if q is None or q[0] is not packed or q[2] != i or q[3] != 1:
+                break
+        else:
             return packed[at : at + len(outputs)]
     return mx.concatenate([o.logits[-1:] for o in outputs])
 

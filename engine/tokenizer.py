@@ -19,6 +19,7 @@ import json
 import os
 import re
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from datetime import datetime
 from typing import Any
 
@@ -115,6 +116,14 @@ _TO_LATIN1 = str.maketrans({c: chr(b) for c, b in _BYTE_OF.items()})
 _BYTE_LEVEL = re.compile("[" + re.escape("".join(_BYTE_OF)) + "]*")
 
 
+def _whole_text(piece: bytes) -> str | None:
+    """`piece` as text if it is complete, valid UTF-8 by itself; else None."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 def _piece(text: str, kind: TokenType) -> bytes:
     """What a token prints as in llama.cpp (`llama_token_to_piece` with `special=True`)."""
     if kind in _WHOLE:
@@ -183,6 +192,9 @@ class Tokenizer:
         self._chat_template_text = chat_template
         self._bpe = _build_bpe(vocab, merges, PRE_TOKENIZER_REGEX[pre], source)
         self._pieces = [_piece(t, kind) for t, kind in zip(self._texts, self._types, strict=True)]
+        # Each piece as text where it is whole UTF-8 on its own: a detokenizer holding no
+        # partial character emits it as is (the common case), without its byte decoder.
+        self._piece_texts = [_whole_text(piece) for piece in self._pieces]
         self._hidden = frozenset(i for i, kind in enumerate(self._types) if kind in _SPECIAL)
         # llama.cpp cuts special tokens out longest (in bytes) first, over the whole text.
         self._in_text = sorted(
@@ -362,16 +374,39 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special = skip_special
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._texts = tokenizer._piece_texts
+        self._holding = False  # the byte decoder holds part of a character
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (often "", never a partial character)."""
         if self._skip_special and self._tokenizer.token_type(token_id) in _SPECIAL:
             return ""
-        return self._utf8.decode(self._tokenizer.token_piece(token_id))
+        if not self._holding and 0 <= token_id < len(self._texts):
+            text = self._texts[token_id]
+            if text is not None:
+                return text
+        return self._decode(self._tokenizer.token_piece(token_id))
+
+    def push_all(self, token_ids: list[int], skip: AbstractSet[int] = frozenset()) -> str:
+        """`push` each token not in `skip` (those print nothing); their text, joined."""
+        texts = self._texts
+        if self._skip_special or self._holding or len(token_ids) != 1:
+            return "".join([self.push(t) for t in token_ids if t not in skip])
+        (t,) = token_ids  # one token per step: the common case, in one call
+        if t in skip:
+            return ""
+        text = texts[t] if 0 <= t < len(texts) else None
+        return text if text is not None else self.push(t)
 
     def flush(self) -> str:
         """End of sequence: the held-back bytes as U+FFFD (they never completed), or ""."""
+        self._holding = False
         return self._utf8.decode(b"", final=True)
+
+    def _decode(self, piece: bytes) -> str:
+        text = self._utf8.decode(piece)
+        self._holding = bool(self._utf8.getstate()[0])
+        return text
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:

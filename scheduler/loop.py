@@ -83,6 +83,7 @@ class Scheduler:
         )
         self._budget = MemoryBudget(pool, config.memory_bytes)
         self._seqs: dict[str, Sequence] = {}  # every request not yet finished
+        self._deadlines: dict[str, Sequence] = {}  # those of them with a deadline
         self._active: list[Sequence] = []  # admitted, holding a slot, in admission order
         self._to_free: list[SlotId] = []  # slots of ended requests, freed in the next step
         self._reuse = PrefixReuse(config.prefix_cache, tokenizer.eog_ids)
@@ -156,6 +157,8 @@ class Scheduler:
                 outlet.receive.close()
             raise
         self._seqs[rid] = seq
+        if request.deadline_s is not None:
+            self._deadlines[rid] = seq
         self._counters.submitted += 1
         self._wakeup.set()
         receive = outlet.receive if isinstance(outlet, StreamOutlet) else None
@@ -286,7 +289,7 @@ class Scheduler:
             self._stopped.set()
 
     def _expire(self, now: float) -> None:
-        for seq in list(self._seqs.values()):
+        for seq in list(self._deadlines.values()):
             deadline = seq.prepared.request.deadline_s
             if deadline is not None and now - seq.submitted_at >= deadline:
                 self._finish(seq, FinishReason.DEADLINE)
@@ -298,7 +301,7 @@ class Scheduler:
         """Give back the slot and memory of every admitted request that has ended."""
         keep = []
         for seq in self._active:
-            if seq.live:
+            if seq.ending is None and seq.phase is not Phase.DONE:  # seq.live, inlined
                 keep.append(seq)
                 continue
             self._budget.release(seq.reserved_bytes)
@@ -310,9 +313,15 @@ class Scheduler:
         self._active = keep
 
     def _plan(self, now: float) -> StepPlan | None:
-        admitted = self._admit(now)
-        decoding = [s for s in self._active if s.phase == Phase.DECODE]
-        prefilling = [s for s in self._active if s.phase == Phase.PREFILL]
+        decoding: list[Sequence] = []
+        prefilling: list[Sequence] = []
+        for s in self._active:
+            if s.phase is Phase.DECODE:
+                decoding.append(s)
+            elif s.phase is Phase.PREFILL:
+                prefilling.append(s)
+        admitted = self._admit(now, sum(len(s.prompt) - s.prefilled for s in prefilling))
+        prefilling += admitted  # (they join the end of `_active`, in order)
         if not decoding and not prefilling and not self._to_snapshot:
             return None  # (a finished request's snapshot is taken even when nothing runs)
         free, self._to_free = self._to_free, []
@@ -328,10 +337,11 @@ class Scheduler:
             snapshot,
         )
 
-    def _admit(self, now: float) -> list[Sequence]:
-        """Move waiting requests into slots, best first, while they fit. The head of the
-        queue is never skipped for a smaller request behind it (no starvation)."""
-        backlog = sum(len(s.prompt) - s.prefilled for s in self._active if s.phase == Phase.PREFILL)
+    def _admit(self, now: float, backlog: int) -> list[Sequence]:
+        """Move waiting requests into slots, best first, while they fit and the prompt
+        tokens still to prefill (`backlog`, the running prompts') leave room in the token
+        budget. The head of the queue is never skipped for a smaller request behind it (no
+        starvation)."""
         admitted: list[Sequence] = []
         while self._state == _State.RUNNING and backlog < self.config.max_batch_tokens:
             head = self._queue.peek()
@@ -364,10 +374,15 @@ class Scheduler:
                 seq.slot, token, list(seq.prompt), request.sampling, seq.rng, request.speculation
             )
             self._take(seq, [token], logprobs)
+        unpublished = self._unpublished
         for seq, committed, logprobs in result.decoded:
-            if seq.live:
-                seq.spec.record(committed.drafter, committed.drafted, committed.accepted)
-                self._take(seq, committed.tokens, logprobs)
+            if seq.ending is None and seq.phase is not Phase.DONE:  # seq.live, inlined
+                if committed.drafted:
+                    seq.spec.record(committed.drafter, committed.drafted, committed.accepted)
+                else:
+                    seq.plain_steps += 1
+                seq.commit(committed.tokens, logprobs)
+                unpublished.append(seq)
 
     def _take(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob]) -> None:
         seq.commit(tokens, logprobs)
@@ -379,21 +394,25 @@ class Scheduler:
         t0 = time.perf_counter()
         now = time.monotonic()
         todo, self._unpublished = self._unpublished, []
+        generated = 0
         for seq in todo:
-            if seq.phase == Phase.DONE:
+            if seq.phase is Phase.DONE:
                 continue
             try:
                 delta = seq.take_delta(now)
             except Exception as e:  # e.g. a token the tokenizer cannot print
                 self._finish(seq, FinishReason.ERROR, f"{type(e).__name__}: {e}")
                 continue
-            if delta is not None and not self._deliver(seq, delta):
+            if delta is not None:
+                generated += len(delta.token_ids)  # (what `_deliver` counts, in one add)
+            if delta is not None and not seq.events.emit(delta):
                 # The consumer closed its handle, or its sink failed.
                 failure = seq.events.failure
                 reason = FinishReason.CANCELLED if failure is None else FinishReason.ERROR
                 self._finish(seq, reason, failure)
             elif seq.ending is not None:
                 self._finish(seq, seq.ending)
+        self._counters.generated_tokens += generated
         self._counters.times.publish_s += time.perf_counter() - t0
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
@@ -411,6 +430,7 @@ class Scheduler:
         seq.events.emit(final)
         seq.events.close()
         del self._seqs[seq.id]
+        self._deadlines.pop(seq.id, None)
         self._counters.finished[final.reason] += 1
 
     def _deliver(self, seq: Sequence, delta: Delta) -> bool:

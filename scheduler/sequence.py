@@ -67,6 +67,7 @@ class Sequence:
     last_token_at: float | None = None
     itl_max_s: float = 0.0
     spec: SpecRecord = field(default_factory=SpecRecord)  # recorded from each step's Committed
+    plain_steps: int = 0  # steps without drafts not yet in `spec` (counted there at the end)
     # Prefix reuse (`scheduler.prefix_reuse`): the cached prefix to restore on admission,
     # the prompt tokens it saved, where to snapshot the prompt, the snapshots taken so far.
     restore: CachedPrefix[SlotImage] | None = None
@@ -77,12 +78,9 @@ class Sequence:
     _logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.id = self.prepared.request_id  # (read per step: an attribute, not a property)
         self.detok = self.tokenizer.detokenizer()
         self.stops = StopMatcher(self.prepared.request.stop)
-
-    @property
-    def id(self) -> str:
-        return self.prepared.request_id
 
     @property
     def prompt(self) -> list[int]:
@@ -108,7 +106,7 @@ class Sequence:
         """Take a step's tokens: stop at a stop token or at max_tokens (dropping the rest),
         and advance the decode state when the sequence goes on (`remaining` keeps the
         Speculator from drafting past max_tokens)."""
-        room = max(0, self.prepared.max_tokens - self.committed)
+        room = max(0, self.prepared.max_tokens - len(self.output) - len(self._unpublished))
         kept = tokens[:room] if len(tokens) > room else tokens
         stop_ids = self.prepared.stop_ids
         if stop_ids and not stop_ids.isdisjoint(kept):
@@ -137,12 +135,34 @@ class Sequence:
         held-back text is released.
         """
         tokens, lps = self._unpublished, self._logprobs
-        self._unpublished, self._logprobs = [], []
+        if final or self.ending is not None or self.stops.active:
+            tokens, text = self._text_at_end_or_stops(tokens, final)
+            lps = lps[: len(tokens)]
+        elif tokens:  # the common case: the text is the tokens' text
+            text = self.detok.push_all(tokens, self.prepared.stop_ids)
+        else:
+            return None
+        self._unpublished = []
+        if self._logprobs:
+            self._logprobs = []
+        if tokens:
+            if self.first_token_at is None:
+                self.first_token_at = now
+            elif self.last_token_at is not None and now - self.last_token_at > self.itl_max_s:
+                self.itl_max_s = now - self.last_token_at
+            self.last_token_at = now
+            self.output += tokens
+        elif not text:
+            return None
+        return Delta(self.id, tuple(tokens), text, tuple(lps))
+
+    def _text_at_end_or_stops(self, tokens: list[int], final: bool) -> tuple[list[int], str]:
+        """`take_delta` with stop strings to look for, or at the end: (the tokens kept, text)."""
         stop_ids, push = self.prepared.stop_ids, self.detok.push
         text: list[str] = []
         n = len(tokens)
-        if not self.stops.active:  # no stop strings: the text is the tokens' text
-            text = [push(t) for t in tokens if t not in stop_ids]
+        if not self.stops.active:
+            text.append(self.detok.push_all(tokens, stop_ids))
         else:
             for i, t in enumerate(tokens):
                 if t in stop_ids:
@@ -158,23 +178,14 @@ class Sequence:
             text.append(safe if stop is not None else safe + self.stops.flush())
             if stop is not None:
                 self.ending, self.matched_stop = FinishReason.STOP, stop
-        if n < len(tokens):
-            tokens, lps = tokens[:n], lps[:n]
-        if tokens:
-            if self.first_token_at is None:
-                self.first_token_at = now
-            elif self.last_token_at is not None:
-                self.itl_max_s = max(self.itl_max_s, now - self.last_token_at)
-            self.last_token_at = now
-            self.output += tokens
-        joined = "".join(text)
-        if not tokens and not joined:
-            return None
-        return Delta(self.id, tuple(tokens), joined, tuple(lps))
+        return tokens[:n] if n < len(tokens) else tokens, "".join(text)
 
     def finished(self, reason: FinishReason, now: float, error: str | None = None) -> Finished:
         """The terminal event; the sequence is DONE afterwards."""
         self.phase = Phase.DONE
+        if self.plain_steps:
+            self.spec.record_plain(self.plain_steps)
+            self.plain_steps = 0
         first, last, n = self.first_token_at, self.last_token_at, len(self.output)
         t0 = self.submitted_at
         itl = (last - first) / (n - 1) if first is not None and last is not None and n > 1 else None

@@ -19,11 +19,8 @@ class StopMatcher:
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = tuple(stops)
         self._held = ""
-
-    @property
-    def active(self) -> bool:
-        """There are stop strings to look for (else `push` passes every piece through)."""
-        return bool(self._stops)
+        # There are stop strings to look for (else `push` passes every piece through).
+        self.active = bool(self._stops)
 
     def push(self, piece: str) -> tuple[str, str | None]:
         """Add `piece`; return (text safe to emit, the stop string that completed or None).

@@ -245,6 +245,21 @@ def test_detokenizer_concatenation_equals_decode(tok: Tokenizer, data: st.DataOb
     assert text + stream.flush() == final
 
 
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_detokenizer_push_all_equals_pushing_each(tok: Tokenizer, data: st.DataObject) -> None:
+    """`push_all` (its one-token fast path included) gives what `push` gives token by token,
+    skipping the tokens it is told to."""
+    token = st.one_of(st.integers(0, 255), st.integers(0, tok.vocab_size - 1))
+    groups = data.draw(st.lists(st.lists(token, max_size=3), max_size=20))
+    skip = frozenset(data.draw(st.lists(token, max_size=3)))
+    skip_special = data.draw(st.booleans())
+    one, each = tok.detokenizer(skip_special), tok.detokenizer(skip_special)
+    for group in groups:
+        assert one.push_all(group, skip) == "".join(each.push(t) for t in group if t not in skip)
+    assert one.flush() == each.flush()
+
+
 # -- chat template -----------------------------------------------------------------------------
 
 

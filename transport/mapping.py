@@ -77,6 +77,8 @@ def rejection(request_id: int, exc: s.InvalidRequest | s.Rejected) -> p.Error:
 
 
 def to_delta(request_id: int, event: s.Delta) -> p.Delta:
+    if not event.logprobs:
+        return p.Delta(request_id, list(event.token_ids), event.text)
     logprobs = [p.Logprob(lp.logprob, list(lp.top)) for lp in event.logprobs]
     return p.Delta(request_id, list(event.token_ids), event.text, logprobs)
 

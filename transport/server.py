@@ -341,8 +341,9 @@ class Server:
                 log.exception("session %d request %d: the observer failed", session.number, rid)
         if isinstance(event, s.Delta):
             if not session.closed:
+                if not session.deltas and not session.terminals:  # else marked already
+                    self._mark(session)
                 session.deltas.append(mapping.to_delta(rid, event))
-                self._mark(session)
             return
         try:
             terminal = mapping.to_terminal(rid, event)

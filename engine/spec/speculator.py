@@ -25,6 +25,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -50,7 +52,7 @@ class SpecError(ValueError):
     """The speculator was driven out of order (e.g. resolve without plan); nothing changed."""
 
 
-@dataclass
+@dataclass(eq=False)  # a slot's live state: equal only to itself (and cheap to look for)
 class DecodingSlot:
     """One slot that decodes this step.
 
@@ -70,13 +72,13 @@ class DecodingSlot:
     remaining: int | None = None
 
 
-@dataclass
-class Committed:
-    """What one slot committed in a step, with what the sampler saw for each token."""
+class Committed(NamedTuple):
+    """What one slot committed in a step, with what the sampler saw for each token.
+    (A NamedTuple: every decoding slot makes one per step.)"""
 
     tokens: list[int]
     # adjusted logits per token, [V] each; only when the request asks for log-probabilities
-    logits: list[mx.array] = field(default_factory=list)
+    logits: list[mx.array]
     drafted: int = 0
     accepted: int = 0
     drafter: str = ""  # "" when the slot did not draft
@@ -98,11 +100,17 @@ class SpecStats:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
+    def record_plain(self, steps: int = 1) -> None:
+        """`record("", 0, 0)`, `steps` times: steps without drafts."""
+        self.steps += steps
+        self.choices[0] = self.choices.get(0, 0) + steps
+
     def record(self, drafter: str, drafted: int, accepted: int) -> None:
+        if not drafted:
+            self.record_plain()
+            return
         self.steps += 1
         self.choices[drafted] = self.choices.get(drafted, 0) + 1
-        if not drafted:
-            return
         self.verify_rounds += 1
         self.drafted += drafted
         self.accepted += accepted
@@ -112,14 +120,22 @@ class SpecStats:
             self.accepted_at_depth[d] += 1
 
 
+class StatsBySlot(dict[SlotId, SpecStats]):
+    """Each slot's telemetry: host numbers only (a type of its own, so that a walk for MLX
+    arrays can pass over it without looking at every slot's entry)."""
+
+
 _NO_DRAFT = Draft()  # shared by plain rows; never changed
 
 
-@dataclass
+@dataclass(eq=False)  # (compared by identity: `_PLAIN` is found among a step's plans in C)
 class _Plan:
     drafter: str
     draft: Draft
     length: int  # the slot's trunk length when planned
+
+
+_PLAIN = _Plan("", _NO_DRAFT, -1)  # every slot's plan in a step without drafters
 
 
 def default_drafters(runner: ModelRunner, dflash: DFlashModel | None = None) -> list[Drafter]:
@@ -175,7 +191,9 @@ class Speculator:
         self.layers: tuple[int, ...] = taps.pop() if taps else ()
         self.controller = controller if controller is not None else CostController()
         self._plans: dict[SlotId, _Plan] = {}
-        self._stats: dict[SlotId, SpecStats] = {}
+        self._stats = StatsBySlot()
+        # Plain steps per slot not yet in its SpecStats: counted for a whole step at once
+        self._plain_steps = np.zeros(runner.pool.n_slots, dtype=np.int64)
         self._cycle: tuple[float, int, int] | None = None  # start, row tokens, depth
 
     # -- a slot's life -------------------------------------------------------------------
@@ -215,7 +233,9 @@ class Speculator:
         for d in self.drafters:
             d.release(slot)
         self.controller.forget(slot)
-        return self._stats.pop(slot, SpecStats())
+        stats = self.stats(slot)
+        del self._stats[slot]
+        return stats
 
     def export(self, slot: SlotId) -> dict[str, DrafterState]:
         """The drafters' state for `slot`, by drafter name (for a snapshot of the slot)."""
@@ -238,18 +258,25 @@ class Speculator:
         stats = self._stats.get(slot)
         if stats is None:  # (not setdefault: that would build a SpecStats every call)
             stats = self._stats[slot] = SpecStats()
+        plain = int(self._plain_steps[slot])
+        if plain:
+            stats.record_plain(plain)
+            self._plain_steps[slot] = 0
         return stats
 
     # -- a step ---------------------------------------------------------------------------
     def plan(self, decoding: Sequence[DecodingSlot]) -> list[Row]:
         """One row per decoding slot, in order: `[pending, *drafts]` at the slot's length."""
         start = time.perf_counter()
-        lengths = [self.runner.pool.lengths[d.slot] for d in decoding]
+        pool_lengths = self.runner.pool.lengths
+        lengths = [pool_lengths[d.slot] for d in decoding]
         if not self.max_draft:  # nothing may draft (and no drafter has begun a slot)
-            rows = []
-            for d, n in zip(decoding, lengths, strict=True):
-                self._plans[d.slot] = _Plan("", _NO_DRAFT, n)
-                rows.append(Row(d.slot, [d.pending], n))
+            rows = [Row(d.slot, [d.pending], n) for d, n in zip(decoding, lengths, strict=True)]
+            if self.drafters:  # they may follow the trunk from each plan's length
+                for d, n in zip(decoding, lengths, strict=True):
+                    self._plans[d.slot] = _Plan("", _NO_DRAFT, n)
+            else:  # no one reads a plain plan's length: one plan serves every slot
+                self._plans.update(zip([d.slot for d in decoding], repeat(_PLAIN)))
             self._cycle = (start, len(rows), 0)
             return rows
         offers = [self._offer(d, n) for d, n in zip(decoding, lengths, strict=True)]
@@ -295,7 +322,7 @@ class Speculator:
         if not decoding:
             return []
         plans = [self._plans.pop(d.slot) for d in decoding]
-        ks = [len(p.draft.tokens) for p in plans]
+        ks = [] if plans.count(_PLAIN) == len(plans) else [len(p.draft.tokens) for p in plans]
         if any(ks):
             committed = self._accept(decoding, plans, outputs, ks)
         else:
@@ -314,12 +341,15 @@ class Speculator:
         logits = last_logits(outputs)
         adjusted = adjust_logits(logits, params, histories)
         tokens = sample(adjusted, params, [d.rng for d in decoding]).tolist()
-        committed = []
-        for i, (d, plan, out, tok) in enumerate(zip(decoding, plans, outputs, tokens, strict=True)):
-            self._commit(d.slot, plan, out, 0, 0)
-            wanted = [adjusted[i]] if d.params.logprobs else []
-            committed.append(Committed([tok], wanted, 0, 0, plan.drafter))
-        return committed
+        if self.drafters:
+            for d, plan, out in zip(decoding, plans, outputs, strict=True):
+                self._commit(d.slot, plan, out, 0, 0)
+        else:  # no drafter observes the trunk: only the slots' steps are counted
+            self._plain_steps[np.fromiter((d.slot for d in decoding), np.intp)] += 1
+        return [
+            Committed([tok], [adjusted[i]] if d.params.logprobs else [], 0, 0, plan.drafter)
+            for i, (d, plan, tok) in enumerate(zip(decoding, plans, tokens, strict=True))
+        ]
 
     def _accept(
         self,
