@@ -29,14 +29,16 @@ def rms_norm(x: mx.array, w: mx.array, eps: float) -> mx.array:
 
 
 def add_rms_norm(
-    x: mx.array, m: mx.array | None, w: mx.array, eps: float
+    x: mx.array, m: mx.array | None, w: mx.array, eps: float, w32: mx.array | None = None
 ) -> tuple[mx.array, mx.array]:
     """The residual stream `h = x + m` (`x` alone when `m` is None) and `rms_norm(h) * w`:
-    one kernel on MLX's CUDA backend (`engine.kernels.add_norm_cuda`), two ops elsewhere."""
+    one kernel on MLX's CUDA backend (`engine.kernels.add_norm_cuda`), two ops elsewhere.
+    `w32`: `w` as float32, made once at load, which the kernel reads (converting `w` in
+    the call would add an op to every step)."""
     if m is None:
         return x, rms_norm(x, w, eps)
     if add_norm_cuda.enabled() and x.ndim == 2 and m.dtype == x.dtype:
-        return add_norm_cuda.add_rms_norm_cuda(x, m, w, eps)
+        return add_norm_cuda.add_rms_norm_cuda(x, m, w if w32 is None else w32, eps)
     h = x + m
     return h, rms_norm(h, w, eps)
 
@@ -84,6 +86,11 @@ class Attention:
         self.wo = ld.matrix(f"{prefix}.attn_output.weight", (E, H * D))
         self.q_norm = ld.dense(f"{prefix}.attn_q_norm.weight", (D,))
         self.k_norm = ld.dense(f"{prefix}.attn_k_norm.weight", (D,))
+        # float32 copies for the fused kernels (a conversion per call is an op per step)
+        self.q_norm32, self.k_norm32 = (
+            self.q_norm.astype(mx.float32),
+            self.k_norm.astype(mx.float32),
+        )
 
     def rope(self, x: mx.array, layout: Layout) -> mx.array:
         """NeoX rope on `[B, H, T, D]`, row b starting at position `row_starts[b]`."""
@@ -114,8 +121,8 @@ class Attention:
                 layout.row_lengths,
                 past_k,
                 past_v,
-                self.q_norm,
-                self.k_norm,
+                self.q_norm32,
+                self.k_norm32,
                 self.omega,
                 n_heads=H,
                 n_kv_heads=Hkv,
@@ -335,6 +342,8 @@ class DecoderLayer:
         self.eps = cfg.rms_eps
         self.attn_norm = ld.dense(f"{prefix}.attn_norm.weight", (cfg.n_embd,))
         self.post_norm = ld.dense(f"{prefix}.post_attention_norm.weight", (cfg.n_embd,))
+        self.attn_norm32 = self.attn_norm.astype(mx.float32)  # what add_rms_norm's kernel reads
+        self.post_norm32 = self.post_norm.astype(mx.float32)
         self.mixer: GatedDeltaNet | Attention = (
             GatedDeltaNet(ld, prefix, cfg) if linear else Attention(ld, prefix, cfg, freqs)
         )
@@ -348,7 +357,7 @@ class DecoderLayer:
         """The layer on the residual stream `x + pending` (`x` alone when `pending` is None).
         Returns `(h, f, new state, capture)`: the layer's output is `h + f`, left unadded
         so the next residual add folds into the next norm (`add_rms_norm`)."""
-        h, a = add_rms_norm(x, pending, self.attn_norm, self.eps)
+        h, a = add_rms_norm(x, pending, self.attn_norm, self.eps, self.attn_norm32)
         capture = None
         new: LayerState
         if isinstance(self.mixer, GatedDeltaNet):
@@ -357,7 +366,7 @@ class DecoderLayer:
         else:
             assert isinstance(state, AttentionState)
             m, new = self.mixer(a, layout, state)
-        h, a = add_rms_norm(h, m, self.post_norm, self.eps)
+        h, a = add_rms_norm(h, m, self.post_norm, self.eps, self.post_norm32)
         return h, self.ffn(a), new, capture
 
 
@@ -381,6 +390,7 @@ class MTPHead:
             if ld.has(f"{p}.shared_head_norm.weight")
             else model.output_norm
         )
+        self.norm32 = self.norm.astype(mx.float32)
         self.head = (
             ld.matrix(f"{p}.shared_head_head.weight", (cfg.n_vocab, E))
             if ld.has(f"{p}.shared_head_head.weight")
@@ -398,7 +408,7 @@ class MTPHead:
         )
         u, f, new, _ = self.block(matmul(u, self.eh_proj), layout, state)
         assert isinstance(new, AttentionState)
-        _, h = add_rms_norm(u, f, self.norm, self.eps)
+        _, h = add_rms_norm(u, f, self.norm, self.eps, self.norm32)
         return matmul(h, self.head), h, new
 
 
@@ -414,6 +424,7 @@ class Model:
         freqs = rope_frequencies(cfg)
         self.tok_embd = ld.matrix("token_embd.weight", (V, E))
         self.output_norm = ld.dense("output_norm.weight", (E,))
+        self.output_norm32 = self.output_norm.astype(mx.float32)
         self.output = (
             ld.matrix("output.weight", (V, E)) if ld.has("output.weight") else self.tok_embd
         )
@@ -463,7 +474,9 @@ class Model:
             captures.append(capture)
             if i in taps:
                 tapped[i] = x + pending
-        _, hidden = add_rms_norm(x, pending, self.output_norm, self.config.rms_eps)
+        _, hidden = add_rms_norm(
+            x, pending, self.output_norm, self.config.rms_eps, self.output_norm32
+        )
         out = mx.concatenate([tapped[i] for i in taps], axis=-1) if taps else None
         return hidden, new_states, captures, out
 
