@@ -81,7 +81,9 @@ class Scheduler:
         self._queue: WaitQueue[Sequence] = WaitQueue(
             config.max_queue, config.policy, config.aging_per_s
         )
-        self._budget = MemoryBudget(pool, config.memory_bytes)
+        self._budget = MemoryBudget(
+            pool, config.memory_bytes, self._stepper.speculator.drafter_bytes
+        )
         self._seqs: dict[str, Sequence] = {}  # every request not yet finished
         self._deadlines: dict[str, Sequence] = {}  # those of them with a deadline
         self._active: list[Sequence] = []  # admitted, holding a slot, in admission order

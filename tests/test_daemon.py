@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from transport import protocol as p
-from transport.client import Client, ConnectionLost, RequestError
+from transport.client import Client, Completion, ConnectionLost, RequestError
 from transport.daemon.demo import Supervised
 
 
@@ -184,6 +184,47 @@ def test_the_metrics_endpoint_counts_the_traffic(model: Path, tmp_path: Path) ->
     accepted = moved("slotserve_spec_accepted_tokens_total")
     assert sum(moved(k) for k in depth_steps) == 3 * 7 - accepted
     assert after["slotserve_active_slots"] == 0 and after["slotserve_queue_depth"] == 0
+
+
+def test_a_dflash_drafter_drafts_at_every_step_and_leaves_greedy_output_unchanged(
+    make_model: Callable[..., Path], make_dflash: Callable[..., Path], tmp_path: Path
+) -> None:
+    """Each prompt runs with speculation on (a random drafter's drafts are rejected, so
+    `auto` would soon stop drafting) and off, at once. With no MTP head, and prompts
+    that repeat no token (no n-gram match), the drafts are the DFlash drafter's; a step
+    may draft while two or more tokens remain. The prefix cache is off: a request resumed
+    from a snapshot does not draft with DFlash (its context is not in the snapshot)."""
+    model = make_model("tiny", mtp=False)
+    endpoint, log = f"ipc://{tmp_path}/d.sock", tmp_path / "slotserve.log"
+    args = serve_args(model, endpoint, "--slots", "6", "--metrics-address", "")
+    args += ["--prefix-cache", "", "--dflash", str(make_dflash("tiny")), "--log-file", str(log)]
+    prompts = [[10 * i + j for j in range(1, 8)] for i in range(1, 4)]
+    n = 12
+
+    async def each_prompt_on_and_off() -> dict[p.Speculation, dict[int, Completion]]:
+        out: dict[p.Speculation, dict[int, Completion]] = {p.Speculation.ON: {}}
+        out[p.Speculation.OFF] = {}
+
+        async def one(client: Client, i: int, mode: p.Speculation) -> None:
+            out[mode][i] = await client.complete(
+                prompts[i], max_tokens=n, temperature=0.0, ignore_eos=True, speculation=mode
+            )
+
+        async with Client.connect(endpoint) as client, anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                for mode in out:
+                    tg.start_soon(one, client, i, mode)
+        return out
+
+    with Supervised(args, endpoint):
+        runs = anyio.run(each_prompt_on_and_off)
+    on, off = runs[p.Speculation.ON], runs[p.Speculation.OFF]
+    assert {i: c.tokens for i, c in on.items()} == {i: c.tokens for i, c in off.items()}
+    for c in on.values():
+        spec = c.finished.speculation
+        assert spec.drafted > 0 and spec.verify_steps >= spec.decode_steps - 1
+    assert all(c.finished.speculation.drafted == 0 for c in off.values())
+    assert "DFlash drafter" in log.read_text()
 
 
 def test_sighup_reopens_the_log_file_and_the_pid_file_lives_as_long_as_the_process(

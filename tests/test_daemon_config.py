@@ -109,3 +109,50 @@ def test_check_validates_the_settings_and_exits_0_without_serving(
 ) -> None:
     assert cli.main(["serve", "--config", str(EXAMPLE), "--model", str(model), "--check"]) == 0
     assert "settings are valid" in capsys.readouterr().err
+
+
+def test_a_drafter_for_the_model_is_accepted_and_empty_means_none(
+    model: Path, make_dflash: Callable[..., Path]
+) -> None:
+    drafter = make_dflash("tiny")
+    assert load(None, {}, no_flags(model=str(model), dflash=str(drafter))).dflash == drafter
+    assert load(None, {"SLOTSERVE_DFLASH": ""}, no_flags(model=str(model))).dflash is None
+
+
+def serve_check(model: Path, *extra: str) -> list[str]:
+    return ["serve", "--model", str(model), "--metrics-address", "", *extra, "--check"]
+
+
+def test_serve_check_refuses_a_missing_drafter_file(
+    model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(serve_check(model, "--dflash", str(tmp_path / "none.gguf"))) == 2
+    err = capsys.readouterr().err
+    assert "config error: dflash: no such file" in err and "flag --dflash" in err
+
+
+def test_serve_check_refuses_a_file_that_is_not_a_drafter(
+    model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(serve_check(model, "--dflash", str(model))) == 2
+    assert "dflash: " in (err := capsys.readouterr().err)
+    assert "architecture 'qwen35' is not a DFlash drafter" in err
+
+
+def test_serve_check_refuses_a_drafter_made_for_another_target(
+    model: Path, make_dflash: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = make_dflash("tiny", n_embd=32, n_vocab=256, mask_token_id=200)
+    assert cli.main(serve_check(model, "--dflash", str(other))) == 2
+    err = capsys.readouterr().err
+    assert f"config error: dflash: {other}: drafter does not fit target {model}" in err
+    assert "hidden size 32 != the target's 64" in err and "vocabulary of 256" in err
+
+
+def test_a_drafter_with_speculation_off_is_refused(
+    model: Path, make_dflash: Callable[..., Path]
+) -> None:
+    env = {"SLOTSERVE_SPECULATION": "off", "SLOTSERVE_DFLASH": str(make_dflash("tiny"))}
+    with pytest.raises(ConfigError, match=r"^dflash: a drafter needs speculation = auto") as e:
+        load(None, env, no_flags(model=str(model)))
+    assert "environment SLOTSERVE_SPECULATION" in str(e.value)

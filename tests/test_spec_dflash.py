@@ -28,6 +28,7 @@ from engine.spec.dflash import DFlashModel, load_dflash
 from engine.spec.drafters import DFlashDrafter, Draft, Drafter, DraftJob, MTPDrafter, NgramDrafter
 from engine.spec.offline import GREEDY, Request, generate
 from engine.spec.speculator import DecodingSlot, Speculator
+from scheduler.admission import MemoryBudget
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +87,22 @@ def test_dflash_alone_keeps_greedy_output_and_reuses_slots(
         run = generate(spec, requests)
         assert run.tokens == [greedy_tokens(model, r.prompt, N_GEN) for r in requests]
         assert all(s.rounds_by_drafter.get("dflash", 0) > 0 for s in run.stats)
+
+
+def test_admission_prices_the_dflash_context_a_speculating_request_holds(
+    model: Model, dflash: DFlashModel
+) -> None:
+    """A speculating request reserves its DFlash context K/V too, one without speculation
+    does not; the whole default budget then covers exactly both pools' per-slot bytes."""
+    spec = speculator(model, dflash, "", 3)
+    pool, (drafter,) = spec.runner.pool, spec.drafters
+    assert isinstance(drafter, DFlashDrafter)
+    budget = MemoryBudget(pool, None, spec.drafter_bytes)
+    context = 10 + 20 + K
+    assert budget.price(10, 20, K) == pool.bytes_for(context, K) + drafter.pool.bytes_for(context)
+    assert budget.price(10, 20, 0) == pool.bytes_for(10 + 20, 0)
+    plain = pool.n_slots * pool.bytes_for(pool.max_context, K)
+    assert budget.budget_bytes - plain == drafter.pool.total_bytes > 0
 
 
 def test_rejected_drafts_leave_the_context_as_if_only_accepted_tokens_were_fed(

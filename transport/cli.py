@@ -153,7 +153,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     file = None if args.config is None else Path(args.config)
     try:
         settings = config.load(file, os.environ, flags)
-        if not args.check:  # before MLX is imported: a preload re-executes the process
+        if not args.check:  # before the model loads: a preload re-executes the process
             command = [sys.executable, "-m", "transport.cli", *args.argv]
             blas.ensure_preloaded(settings.blas, command)
     except (config.ConfigError, blas.BlasError) as e:

@@ -45,6 +45,7 @@ class DaemonConfig:
     max_queue: int = 256
     speculation: str = "auto"  # "off": never draft; "auto": the cost controller decides
     draft_depth: int = 4  # the most draft tokens a slot verifies per step
+    dflash: Path | None = None  # a DFlash block drafter GGUF made for `model`; None = none
     prefix_cache: int | None = 1 << 30  # bytes of host memory for cached prefixes; None = off
     prefix_cache_interval: int = 1024  # snapshot long prompts every this many tokens; 0 = never
     log_format: str = "plain"
@@ -125,9 +126,16 @@ def _optional_path(v: Any) -> Path | None:
     return Path(v) if v else None
 
 
-def _model_path(v: Any) -> Path:
+def _optional_file(v: Any) -> Path | None:
     path = _optional_path(v)
-    if path is None or not path.is_file():
+    if path is not None and not path.is_file():
+        raise ValueError("no such file")
+    return path
+
+
+def _model_path(v: Any) -> Path:
+    path = _optional_file(v)
+    if path is None:
         raise ValueError("no such file")
     return path
 
@@ -188,6 +196,7 @@ KEYS = (
     Key("max_queue", _positive_int, "requests waiting for a slot before submits are refused"),
     Key("speculation", _choice(SPECULATION), "speculative decoding: off or auto"),
     Key("draft_depth", _positive_int, "most draft tokens verified per slot and step"),
+    Key("dflash", _optional_file, 'a DFlash block drafter GGUF made for the model ("" = none)'),
     Key("prefix_cache", _bytes, 'host memory for the prefix cache, e.g. "1GiB" ("" = off)'),
     Key("prefix_cache_interval", _count, "snapshot long prompts every N tokens (0 = never)"),
     Key("log_format", _choice(LOG_FORMATS), "plain text or JSON lines"),
@@ -214,8 +223,8 @@ def load(
     """Merge the sources (flag > env > file > default), then validate the value that won
     for each key (an overridden bad value in the file is not an error).
 
-    Raises `ConfigError` for an unreadable file, an unknown key, a bad value or a
-    missing model, naming the key and its source.
+    Raises `ConfigError` for an unreadable file, an unknown key, a bad value, a
+    missing model or a drafter that cannot serve it, naming the key and its source.
     """
     given: dict[str, tuple[Any, str]] = {}
     if config_file is not None:
@@ -229,7 +238,10 @@ def load(
     if "model" not in given:
         raise ConfigError("model: required; set it in the config file, SLOTSERVE_MODEL or --model")
     values = {name: _parse(name, value, source) for name, (value, source) in given.items()}
-    return dataclasses.replace(DaemonConfig(values.pop("model")), **values)
+    config = dataclasses.replace(DaemonConfig(values.pop("model")), **values)
+    if config.dflash is not None:
+        _check_drafter(config.dflash, config, {name: source for name, (_, source) in given.items()})
+    return config
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -244,6 +256,27 @@ def _read_toml(path: Path) -> dict[str, Any]:
         if name not in _BY_NAME:
             raise ConfigError(f"{name}: unknown key in {path}; known: {', '.join(_BY_NAME)}")
     return table
+
+
+def _check_drafter(path: Path, config: DaemonConfig, sources: Mapping[str, str]) -> None:
+    """Refuse a drafter that would never draft (speculation off) or does not fit the model:
+    the checks `load_dflash` makes, on the files' metadata, before any weights load."""
+    from engine.gguf import GGUFError, GGUFFile, TensorFile  # MLX: only when a drafter is set
+    from engine.spec.dflash import check_target, read_config
+
+    if config.speculation == "off":
+        raise ConfigError(
+            f"dflash: a drafter needs speculation = auto, but speculation is off (from "
+            f"{sources['speculation']}); set speculation = auto or leave dflash empty"
+        )
+    try:
+        target = GGUFFile(config.model).config
+    except GGUFError as e:
+        raise ConfigError(f"model: {e}") from None
+    try:
+        check_target(path, read_config(TensorFile(path)), config.model, target)
+    except GGUFError as e:
+        raise ConfigError(f"dflash: {e} (from {sources['dflash']})") from None
 
 
 def _parse(name: str, value: Any, source: str) -> Any:

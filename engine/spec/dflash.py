@@ -32,6 +32,7 @@ from engine.cache import ContextOverflowError, SlotId, SlotPool, SlotStateError
 from engine.gguf import (
     GGUFError,
     MissingMetadataError,
+    ModelConfig,
     TensorFile,
     UnsupportedArchitectureError,
 )
@@ -107,9 +108,9 @@ def read_config(f: TensorFile) -> DFlashConfig:
     return cfg
 
 
-def check_target(path: Path, cfg: DFlashConfig, target: Model) -> None:
-    """Raise `DFlashTargetMismatchError` unless the drafter fits `target`."""
-    t = target.config
+def check_target(path: Path, cfg: DFlashConfig, target_path: Path, t: ModelConfig) -> None:
+    """Raise `DFlashTargetMismatchError` unless the drafter at `path` fits the target model
+    whose file `target_path` has config `t` (metadata only: no weights need loading)."""
     problems = []
     if cfg.n_embd != t.n_embd:
         problems.append(f"hidden size {cfg.n_embd} != the target's {t.n_embd}")
@@ -121,7 +122,7 @@ def check_target(path: Path, cfg: DFlashConfig, target: Model) -> None:
         problems.append(f"mask token {cfg.mask_token_id} outside the vocabulary")
     if problems:
         raise DFlashTargetMismatchError(
-            f"{path}: drafter does not fit target {target.path}: " + "; ".join(problems)
+            f"{path}: drafter does not fit target {target_path}: " + "; ".join(problems)
         )
 
 
@@ -198,7 +199,7 @@ class DFlashModel:
 
     def __init__(self, f: TensorFile, target: Model) -> None:
         cfg = self.config = read_config(f)
-        check_target(f.path, cfg, target)
+        check_target(f.path, cfg, target.path, target.config)
         self.path, self.target = f.path, target
         ld = Loader(f, target.dtype)
         E = cfg.n_embd

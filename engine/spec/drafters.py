@@ -98,6 +98,11 @@ class Drafter:
     def adopt(self, slot: SlotId, state: DrafterState) -> None:
         """Follow `slot` from a state `export` returned (its pool state was restored)."""
 
+    def bytes_for(self, context_tokens: int) -> int:
+        """Bytes a speculating sequence of `context_tokens` holds in this drafter's own
+        pool (0: none; the MTP head's KV is in the trunk's `SlotPool`, which counts it)."""
+        return 0
+
 
 class NgramDrafter(Drafter):
     """Prompt lookup: continue the latest earlier occurrence of the history's last n tokens.
@@ -326,6 +331,9 @@ class DFlashDrafter(Drafter):
     def release(self, slot: SlotId) -> None:
         self._contexts.pop(slot, None)
         self.pool.truncate(slot, 0)
+
+    def bytes_for(self, context_tokens: int) -> int:
+        return self.pool.bytes_for(context_tokens)
 
     def draft(self, jobs: Sequence[DraftJob]) -> list[Draft]:
         out = [Draft() for _ in jobs]

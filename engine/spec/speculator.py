@@ -254,6 +254,11 @@ class Speculator:
                 if d.name in states:
                     d.adopt(slot, states[d.name])
 
+    def drafter_bytes(self, context_tokens: int) -> int:
+        """Bytes a speculating sequence of `context_tokens` holds in the drafters' own pools
+        (on top of `SlotPool.bytes_for`; a sequence with speculation off holds none)."""
+        return sum(d.bytes_for(context_tokens) for d in self.drafters) if self.max_draft else 0
+
     def stats(self, slot: SlotId) -> SpecStats:
         stats = self._stats.get(slot)
         if stats is None:  # (not setdefault: that would build a SpecStats every call)

@@ -3,7 +3,8 @@
 Life of the process (`run`):
 1. settings are validated before anything else (`transport.config`; exit 2);
 2. logging goes to stderr or the log file; the pid file is written;
-3. the model loads eagerly and the slot pool is allocated (logged with timings);
+3. the model (and the DFlash drafter, if set) loads eagerly and the slot pool is
+   allocated (logged with timings);
 4. the server binds in state STARTING (Ping and Stats answer, Generate gets BUSY),
    one request is run through the whole path as a warm-up, the state turns READY and
    "ready" is logged;
@@ -34,6 +35,9 @@ from engine.cache import SlotPool
 from engine.gguf import GGUFFile
 from engine.models.qwen35 import load_model
 from engine.runner import ModelRunner
+from engine.spec.dflash import load_dflash
+from engine.spec.drafters import DFlashDrafter
+from engine.spec.speculator import Speculator, default_drafters
 from engine.tokenizer import Tokenizer
 from transport import protocol as p
 from transport.config import DaemonConfig
@@ -75,8 +79,8 @@ def run(config: DaemonConfig) -> NoReturn:
 
 
 def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
-    """Load the model and allocate the pool. Call on the thread that runs the scheduler's
-    event loop: MLX evaluates a graph only on the thread that built it."""
+    """Load the model (and the drafter) and allocate the pools. Call on the thread that
+    runs the scheduler's event loop: MLX evaluates a graph only on the thread that built it."""
     path = config.model
     log.info("loading model %s (%.1f MiB)", path, path.stat().st_size / 2**20)
     t0 = time.perf_counter()
@@ -109,8 +113,32 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
         else s.PrefixCacheConfig(config.prefix_cache, config.prefix_cache_interval),
         fault_hook=faults.from_environment(os.environ),  # test-only; None unless set
     )
-    scheduler = s.Scheduler(ModelRunner(model, pool), tokenizer, sched_config)
+    runner = ModelRunner(model, pool)
+    speculator = None if config.dflash is None else _dflash_speculator(runner, config.dflash)
+    scheduler = s.Scheduler(runner, tokenizer, sched_config, speculator)
     return scheduler, ModelInfo.of(scheduler, config.model_name or path.stem)
+
+
+def _dflash_speculator(runner: ModelRunner, path: Path) -> Speculator:
+    """The default drafters and the DFlash drafter at `path` (its context pool allocated)."""
+    t0 = time.perf_counter()
+    drafters = default_drafters(runner, load_dflash(path, runner.model))
+    dflash = next(d for d in drafters if isinstance(d, DFlashDrafter))
+    cfg = dflash.model.config
+    log.info(
+        "DFlash drafter %s (%.1f MiB): block %d, so up to %d drafts a step at draft depth %d; "
+        "%d layer(s) reading target layers %s; context pool %.1f MiB; loaded in %.1f s",
+        path,
+        path.stat().st_size / 2**20,
+        cfg.block_size,
+        min(cfg.block_size - 1, runner.pool.max_draft),
+        runner.pool.max_draft,
+        cfg.n_layer,
+        list(cfg.target_layers),
+        dflash.pool.total_bytes / 2**20,
+        time.perf_counter() - t0,
+    )
+    return Speculator(runner, runner.pool.max_draft, drafters)
 
 
 async def warm_up(scheduler: s.Scheduler) -> float:
