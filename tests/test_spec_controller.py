@@ -130,3 +130,18 @@ def test_a_new_request_starts_from_the_drafters_record() -> None:
     run(ctrl, World(alpha=0.95, per_depth=2.0), width=1, steps=100)
     ctrl.forget(SlotId(0))
     assert ctrl.choose([Offer(SlotId(1), "mtp", CAP)]) == [CAP]
+
+
+def test_one_slow_sample_does_not_bar_a_depth_for_good() -> None:
+    """A drafter's first round also catches its head up on the whole prompt: that one slow
+    step must not keep a depth that pays from ever running again."""
+    ctrl = CostController()
+    slot = SlotId(0)
+    ctrl.observe_step(1, 0, 0.016)
+    assert ctrl.choose([Offer(slot, "mtp", 1)]) == [1]
+    ctrl.observe_round(slot, "mtp", 1, 0)  # rejected, and 4x a plain step
+    ctrl.observe_step(1, 1, 0.064)
+    world = World(alpha=0.8, base=16.0, per_depth=8.0)  # depth 1: 1.8 tokens for 1.5x the time
+    ks = run(ctrl, world, width=1, steps=300)
+    assert (ks[:40] == 0).all()  # the slow sample holds for a while ...
+    assert ks[-100:].mean() >= 0.9  # ... then depth 1 is measured again, and pays

@@ -29,7 +29,10 @@ acceptance rate alone.
   `idle_decay` a step, so its rate drifts back up until drafting looks worth a
   try again — soon when drafts are cheap or the rate was marginal, rarely when
   they are dear and the drafter hopeless (a few percent of steps either way). A width that has not run plain for
-  `remeasure_every` steps runs plain once to re-measure.
+  `remeasure_every` steps runs plain once to re-measure, and a depth not measured at a
+  width for as many steps counts as unmeasured again (so it is predicted from the
+  others, and tried): one slow sample — a drafter's first round also feeds its head the
+  whole prompt — must not bar a depth for good.
 
 Modes per slot: "off" never drafts, "on" always drafts its full cap (so a seeded
 request replays exactly), "auto" follows the controller.
@@ -99,6 +102,8 @@ class CostController:
     _rates: dict[tuple[SlotId, str], _Rate] = field(default_factory=dict)
     _pooled: dict[str, _Rate] = field(default_factory=dict)  # per drafter, all slots
     _since_plain: dict[int, int] = field(default_factory=dict)  # steps since width ran plain
+    _steps: dict[int, int] = field(default_factory=dict)  # steps observed per width
+    _measured_at: dict[tuple[int, int], int] = field(default_factory=dict)  # (width, depth)
 
     def rate(self, slot: SlotId, drafter: str) -> float:
         """Estimated chance that the slot's next draft token from `drafter` is accepted."""
@@ -118,7 +123,7 @@ class CostController:
 
     def predict(self, width: int, depth: int) -> float | None:
         """Seconds of a step of `width` slots whose deepest draft is `depth` (None: unknown)."""
-        table = self.seconds.get(width, {})
+        table = self._fresh(width)
         if depth in table or 0 not in table:
             return table.get(depth)
         below = max(d for d in table if d < depth)
@@ -129,6 +134,17 @@ class CostController:
             return (1 - w) * table[below] + w * table[hi]
         slope = (table[below] - table[0]) / below if below else 0.0
         return table[0] + slope * depth
+
+    def _fresh(self, width: int) -> dict[int, float]:
+        """The width's step times, less drafting depths not measured for `remeasure_every`
+        of its steps (plain decode is re-measured on its own schedule)."""
+        table = self.seconds.get(width, {})
+        now = self._steps.get(width, 0)
+        return {
+            d: t
+            for d, t in table.items()
+            if d == 0 or now - self._measured_at.get((width, d), now) < self.remeasure_every
+        }
 
     def choose(self, offers: Sequence[Offer]) -> list[int]:
         """Draft depth per offer for a step whose batch width is `len(offers)`."""
@@ -168,8 +184,13 @@ class CostController:
         predicted = self.predict(width, depth)
         if predicted is not None and predicted > 0:
             seconds = min(seconds, 4 * predicted)
+        fresh = depth in self._fresh(width)
         old = table.get(depth)
-        table[depth] = seconds if old is None else old + self.smoothing * (seconds - old)
+        table[depth] = (
+            seconds if old is None or not fresh else old + self.smoothing * (seconds - old)
+        )
+        self._steps[width] = self._steps.get(width, 0) + 1
+        self._measured_at[width, depth] = self._steps[width]
         self._since_plain[width] = 0 if depth == 0 else self._since_plain.get(width, 0) + 1
 
     def observe_round(self, slot: SlotId, drafter: str, drafted: int, accepted: int) -> None:

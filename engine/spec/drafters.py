@@ -69,6 +69,7 @@ class Drafter:
 
     name = ""
     layers: tuple[int, ...] = ()  # trunk layers whose outputs `observe` needs as `taps`
+    caught_up = 0  # the most positions one slot fed the drafter's own model in the last `draft`
 
     def available(self, d: DecodingSlot, length: int) -> int:
         raise NotImplementedError
@@ -239,6 +240,7 @@ class MTPDrafter(Drafter):
 
     def draft(self, jobs: Sequence[DraftJob]) -> list[Draft]:
         out = [Draft() for _ in jobs]
+        self.caught_up = 0
         live = [i for i, j in enumerate(jobs) if self.available(j.d, j.length)]
         backlog = any(self._tails[jobs[i].d.slot].n >= self.max_backlog for i in live)
         if not any(jobs[i].k for i in live) and not backlog:
@@ -250,6 +252,7 @@ class MTPDrafter(Drafter):
             tokens = j.d.history[t.start + 1 : j.length + 1]
             rows.append(DraftRow(j.d.slot, tokens, mx.concatenate(t.hidden, axis=0), t.start))
             self._tails[j.d.slot] = _Tail(j.length)
+        self.caught_up = max(len(r.tokens) for r in rows)
         chains = [
             _Chain(jobs[i], out[i], logits[-1:], hidden[-1:])
             for i, (logits, hidden) in zip(live, self.runner.draft(rows), strict=True)

@@ -312,7 +312,11 @@ class Speculator:
                 )
             )
         depth = max((len(r.tokens) - 1 for r in rows), default=0)
-        self._cycle = (start, sum(len(r.tokens) for r in rows), depth)
+        # A drafter that fed its model a long backlog this step (its first round after a
+        # plain stretch catches up on every position since) made a step that says nothing
+        # of what drafting at this depth costs: it is not timed.
+        steady = max((d.caught_up for d in self.drafters), default=0) <= self.max_draft + 1
+        self._cycle = (start, sum(len(r.tokens) for r in rows), depth) if steady else None
         return rows
 
     def resolve(
