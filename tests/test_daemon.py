@@ -227,6 +227,31 @@ def test_a_dflash_drafter_drafts_at_every_step_and_leaves_greedy_output_unchange
     assert "DFlash drafter" in log.read_text()
 
 
+def test_dense_weights_serve_what_the_stored_quantized_ones_do(
+    make_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    """`weights = "dense"` dequantizes a q8_0 file's matrices at load: a daemon so started
+    says so and serves the greedy tokens of one that keeps them quantized."""
+    model = make_model("tiny", quant="q8_0")
+    prompts = [[5, 6, 7], [40, 41, 42, 43, 44], [9]]
+
+    async def greedy(endpoint: str) -> list[list[int]]:
+        async with Client.connect(endpoint) as client:
+            return [
+                (await client.complete(pr, max_tokens=12, temperature=0.0, ignore_eos=True)).tokens
+                for pr in prompts
+            ]
+
+    tokens = {}
+    for weights in ("stored", "dense"):
+        endpoint, log = f"ipc://{tmp_path}/{weights}.sock", tmp_path / f"{weights}.log"
+        args = serve_args(model, endpoint, "--metrics-address", "", "--weights", weights)
+        with Supervised([*args, "--log-file", str(log)], endpoint):
+            tokens[weights] = anyio.run(greedy, endpoint)
+        assert f"{weights} weights" in log.read_text()
+    assert tokens["dense"] == tokens["stored"]
+
+
 def test_sighup_reopens_the_log_file_and_the_pid_file_lives_as_long_as_the_process(
     model: Path, tmp_path: Path
 ) -> None:

@@ -156,3 +156,10 @@ def test_a_drafter_with_speculation_off_is_refused(
     with pytest.raises(ConfigError, match=r"^dflash: a drafter needs speculation = auto") as e:
         load(None, env, no_flags(model=str(model)))
     assert "environment SLOTSERVE_SPECULATION" in str(e.value)
+
+
+def test_weights_are_stored_or_dense(model: Path) -> None:
+    assert load(None, {}, no_flags(model=str(model))).weights == "stored"
+    assert load(None, {"SLOTSERVE_WEIGHTS": "dense"}, no_flags(model=str(model))).weights == "dense"
+    with pytest.raises(ConfigError, match=r"weights.*expected one of stored, dense"):
+        load(None, {}, no_flags(model=str(model), weights="f16"))

@@ -23,6 +23,7 @@ ENV_PREFIX = "SLOTSERVE_"
 LOG_FORMATS = ("plain", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SPECULATION = ("off", "auto")
+WEIGHTS = ("stored", "dense")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
@@ -55,6 +56,7 @@ class DaemonConfig:
     pid_file: Path | None = None
     drain_timeout: float = 30.0  # seconds in-flight requests may run after SIGTERM
     blas: str = "bundled"  # BLAS under MLX's CPU backend: bundled, openblas or a library path
+    weights: str = "stored"  # "stored": matrices as the file has them; "dense": dequantized
 
     @property
     def max_draft(self) -> int:
@@ -206,6 +208,11 @@ KEYS = (
     Key("pid_file", _optional_path, "write the process id here while running"),
     Key("drain_timeout", _seconds, "seconds in-flight requests may run after SIGTERM"),
     Key("blas", _blas, "BLAS under MLX on a Linux CPU: bundled, openblas or a CBLAS .so path"),
+    Key(
+        "weights",
+        _choice(WEIGHTS),
+        "quantized matrices: stored (as the file has them) or dense (floats at load)",
+    ),
 )
 _BY_NAME = {k.name: k for k in KEYS}
 

@@ -33,7 +33,7 @@ import mlx.core as mx
 import scheduler as s
 from engine.cache import SlotPool
 from engine.gguf import GGUFFile
-from engine.models.qwen35 import load_model
+from engine.models.qwen35 import Model
 from engine.runner import ModelRunner
 from engine.spec.dflash import load_dflash
 from engine.spec.drafters import DFlashDrafter
@@ -84,16 +84,19 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
     path = config.model
     log.info("loading model %s (%.1f MiB)", path, path.stat().st_size / 2**20)
     t0 = time.perf_counter()
-    model = load_model(path)
+    # "dense": quantized matrices dequantized to floats at load — on a CPU MLX's quantized
+    # matmul costs the same per token however many rows share a step, a BLAS GEMM does not
+    model = Model(GGUFFile(path, quantized=config.weights == "stored"))
     tokenizer = Tokenizer.from_metadata(GGUFFile(path).metadata)
     cfg = model.config
     log.info(
-        "model loaded in %.1f s on %s: %s, %d layers, vocab %d",
+        "model loaded in %.1f s on %s: %s, %d layers, vocab %d, %s weights",
         time.perf_counter() - t0,
         mx.default_device(),
         cfg.name,
         cfg.n_layer,
         cfg.n_vocab,
+        config.weights,
     )
     t0 = time.perf_counter()
     pool = SlotPool(cfg, config.slots, config.context, max_draft=config.max_draft)
