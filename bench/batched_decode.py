@@ -46,7 +46,7 @@ def sample(c: Contender, n: int, prompt: int, steps: int, seed: int, vocab: int)
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     sides = harness.sides_for(
-        args.blas, args.compile, args.threads, args.kv_dtype, args.peers, args.dtype
+        args.blas, args.compile, args.threads, args.kv_dtype, args.peers, args.dtype, args.dense
     )
     names = [s.name for s in sides]
     pairs = harness.ratios(sides)
@@ -169,6 +169,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quant", default="f16", help="f16 | q8_0 | ... (default %(default)s)")
     p.add_argument("--model", type=Path, help="a GGUF file to use instead of --preset/--quant")
+    p.add_argument(
+        "--dense",
+        action="store_true",
+        help="ours dequantizes quantized matrices at load (the daemon's weights = dense)",
+    )
     p.add_argument("--ns", default=[1, 2, 4, 8, 16], type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps")

@@ -112,9 +112,11 @@ def sides_for(
     kv_dtype: str,
     peers: Sequence[str] = ("llama",),
     dtype: str = "float32",
+    dense: bool = False,
 ) -> list[Side]:
     """Our engine once per BLAS in `blas` ("bundled" | "openblas"), then mlx-lm once per BLAS
-    (if in `peers`), then llama.cpp (if in `peers`)."""
+    (if in `peers`), then llama.cpp (if in `peers`). `dense`: ours dequantizes a quantized
+    file's matrices at load (the daemon's `weights = "dense"`); the peers do not."""
     sides = []
     kinds = ["ours"] + (["mlx-lm"] if "mlx-lm" in peers else [])
     for kind in kinds:
@@ -122,6 +124,9 @@ def sides_for(
             env = blas_env(b, n_threads)
             name = kind if b == "bundled" else f"{kind}+{b}"
             opts = {"kv_dtype": kv_dtype, "compile": compile, "dtype": dtype}
+            if kind == "ours" and dense:
+                opts["dense"] = True
+                name = name.replace("ours", "ours-dense", 1)
             # MLX's CPU backend runs its ops on one thread; only OpenBLAS brings threads of its own.
             sides.append(Side(name, kind, opts, env, cores=n_threads if env else 1, blas=b))
     if "llama" in peers:

@@ -51,13 +51,16 @@ class Ours:
         dtype: str = "float32",
         kv_dtype: str = "float32",
         compile: bool = False,
+        dense: bool = False,
     ) -> None:
         import mlx.core as mx
 
-        from engine.models.qwen35 import load_model
+        from engine.gguf import GGUFFile
+        from engine.models.qwen35 import Model
 
         self.name = name
-        self.model = load_model(path, dtype=getattr(mx, dtype))
+        # dense: quantized matrices dequantized at load (the daemon's weights = "dense")
+        self.model = Model(GGUFFile(path, quantized=not dense), dtype=getattr(mx, dtype))
         self.kv_dtype = getattr(mx, kv_dtype)
         self.compile = compile
         self.runners: dict[tuple[int, int], tuple[Any, list[Any]]] = {}  # compiled steps stay warm
