@@ -20,7 +20,7 @@ from types import TracebackType
 import anyio
 import zmq
 
-from transport import loadgen, loadreport
+from transport import blas, loadgen, loadreport
 from transport import protocol as p
 from transport.client import SyncClient
 from transport.sockets import resolve_endpoint
@@ -164,6 +164,8 @@ def run_demo(model: Path, duration_s: float, concurrency: int, max_tokens: int, 
         prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in DEMO_PROMPTS))
         args = ["--model", str(model), "--endpoints", endpoint, "--slots", str(slots)]
         args += ["--context", "1024", "--metrics-address", "", "--drain-timeout", "10"]
+        args += fast_cpu_settings()
+        print(f"slotserve demo: serve {' '.join(args)}", file=sys.stderr)
         with Supervised(args, endpoint) as daemon:
             config = loadgen.LoadConfig(
                 endpoint, concurrency=concurrency, duration_s=duration_s, connections=2
@@ -174,6 +176,18 @@ def run_demo(model: Path, duration_s: float, concurrency: int, max_tokens: int, 
         status = daemon.returncode
     print(f"daemon stopped with status {status}", file=sys.stderr)
     return 0 if status == 0 else 1
+
+
+def fast_cpu_settings() -> list[str]:
+    """The demo model is small: dense weights (77 MB as f32) and, where the system has it,
+    OpenBLAS make its batched CPU decode several times faster (docs/PERFORMANCE.md); on
+    a GPU neither matters."""
+    args = ["--weights", "dense"]
+    try:
+        blas.library(blas.OPENBLAS)
+    except blas.BlasError:
+        return args
+    return [*args, "--blas", blas.OPENBLAS]
 
 
 def print_samples(endpoint: str, prompts: Sequence[str], max_tokens: int) -> None:
