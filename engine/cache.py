@@ -394,11 +394,13 @@ class SlotPool:
         n, m = self.lengths[slot], self.mtp_lengths[slot]
         mtp = None
         if self.mtp_k is not None and self.mtp_v is not None:
-            mtp = (_host(self.mtp_k[slot, :m]), _host(self.mtp_v[slot, :m]))
+            mtp = (host_copy(self.mtp_k[slot, :m]), host_copy(self.mtp_v[slot, :m]))
         return SlotSnapshot(
             length=n,
             mtp_length=m,
-            kv=[(_host(self.k[i, slot, :n]), _host(self.v[i, slot, :n])) for i in range(La)],
+            kv=[
+                (host_copy(self.k[i, slot, :n]), host_copy(self.v[i, slot, :n])) for i in range(La)
+            ],
             conv=[np.array(c[slot]) for c in self.conv],
             ssm=[np.array(s[slot]) for s in self.ssm],
             mtp_kv=mtp,
@@ -415,13 +417,13 @@ class SlotPool:
             raise SlotStateError("snapshot was taken from a pool of another model")
         dtype = self.kv_dtype
         if n:
-            self.k[:, slot, :n] = mx.stack([_device(k, dtype) for k, _ in snap.kv])
-            self.v[:, slot, :n] = mx.stack([_device(v, dtype) for _, v in snap.kv])
+            self.k[:, slot, :n] = mx.stack([device_copy(k, dtype) for k, _ in snap.kv])
+            self.v[:, slot, :n] = mx.stack([device_copy(v, dtype) for _, v in snap.kv])
         self.conv[:, slot] = mx.array(np.stack(snap.conv))
         self.ssm[:, slot] = mx.array(np.stack(snap.ssm))
         if snap.mtp_kv is not None and self.mtp_k is not None and self.mtp_v is not None:
-            self.mtp_k[slot, : snap.mtp_length] = _device(snap.mtp_kv[0], dtype)
-            self.mtp_v[slot, : snap.mtp_length] = _device(snap.mtp_kv[1], dtype)
+            self.mtp_k[slot, : snap.mtp_length] = device_copy(snap.mtp_kv[0], dtype)
+            self.mtp_v[slot, : snap.mtp_length] = device_copy(snap.mtp_kv[1], dtype)
         self.lengths[slot], self.mtp_lengths[slot] = n, snap.mtp_length
         self._captures.pop(slot, None)
 
@@ -437,12 +439,12 @@ def _runs(slots: list[SlotId]) -> list[tuple[int, int]]:
     return runs
 
 
-def _host(a: mx.array) -> np.ndarray:
+def host_copy(a: mx.array) -> np.ndarray:
     """A host copy; bfloat16, which numpy lacks, travels as its bits (uint16)."""
     return np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a)
 
 
-def _device(x: np.ndarray, dtype: mx.Dtype) -> mx.array:
-    """The inverse of `_host` for an array of `dtype`."""
+def device_copy(x: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    """The inverse of `host_copy` for an array of `dtype`."""
     a = mx.array(x)
     return a.view(mx.bfloat16) if dtype == mx.bfloat16 and a.dtype == mx.uint16 else a

@@ -3,7 +3,8 @@
 A slot's Gated DeltaNet state cannot be cut back to an earlier position, so reuse is
 exact only from a snapshot taken exactly at a token boundary. Snapshots (`SlotImage`:
 the pool's `SlotSnapshot` — attention KV prefix, conv and recurrent state, MTP KV —
-plus the drafters' state, e.g. the MTP head's unfed hidden states) are taken
+plus the drafters' state: the MTP head's unfed hidden states, the DFlash drafter's
+context K/V and waiting target features) are taken
 
 * at the end of every prompt (the next turn of a conversation extends it),
 * every `interval` tokens of a long prompt,

@@ -192,12 +192,11 @@ def test_a_dflash_drafter_drafts_at_every_step_and_leaves_greedy_output_unchange
     """Each prompt runs with speculation on (a random drafter's drafts are rejected, so
     `auto` would soon stop drafting) and off, at once. With no MTP head, and prompts
     that repeat no token (no n-gram match), the drafts are the DFlash drafter's; a step
-    may draft while two or more tokens remain. The prefix cache is off: a request resumed
-    from a snapshot does not draft with DFlash (its context is not in the snapshot)."""
+    may draft while two or more tokens remain."""
     model = make_model("tiny", mtp=False)
     endpoint, log = f"ipc://{tmp_path}/d.sock", tmp_path / "slotserve.log"
     args = serve_args(model, endpoint, "--slots", "6", "--metrics-address", "")
-    args += ["--prefix-cache", "", "--dflash", str(make_dflash("tiny")), "--log-file", str(log)]
+    args += ["--dflash", str(make_dflash("tiny")), "--log-file", str(log)]
     prompts = [[10 * i + j for j in range(1, 8)] for i in range(1, 4)]
     n = 12
 

@@ -32,6 +32,7 @@ from scheduler import (
     PrefixCacheConfig,
     Request,
     Scheduler,
+    Speculation,
 )
 from scheduler.prefix_cache import PrefixCache
 from scheduler.prefix_reuse import SlotImage
@@ -152,6 +153,7 @@ async def run_conversations(
     max_tokens: int,
     cancel_every: int = 0,
     prefix_cache: bool = True,
+    speculation: Speculation = Speculation.AUTO,
 ) -> tuple[list[list[list[int]]], list[Finished]]:
     """Each conversation turn by turn (prompt = history + next message), all conversations
     at once. Returns each turn's output tokens, and every Finished. With `cancel_every`,
@@ -183,6 +185,7 @@ async def run_conversations(
                 sampling=GREEDY,
                 max_tokens=max_tokens,
                 prefix_cache=prefix_cache,
+                speculation=speculation,
             )
             if cancel_every and n % cancel_every == 0:
                 async with anyio.create_task_group() as tg:

@@ -27,8 +27,16 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
-from engine.cache import ContextOverflowError, SlotId, SlotPool, SlotStateError
+from engine.cache import (
+    ContextOverflowError,
+    SlotId,
+    SlotPool,
+    SlotStateError,
+    device_copy,
+    host_copy,
+)
 from engine.gguf import (
     GGUFError,
     MissingMetadataError,
@@ -254,6 +262,8 @@ class DFlashPool:
     k, v `[layers, slots, context, Hkv, D]`; `lengths[slot]` committed positions are
     valid. Only committed positions are ever written, so rolling back a verify round
     needs nothing here; `truncate` serves a slot whose trunk went back further.
+    `snapshot` and `restore` copy a slot's context to host memory and back (the prefix
+    cache).
     """
 
     def __init__(
@@ -307,6 +317,29 @@ class DFlashPool:
         mx.eval(self.k, self.v)
         for slot, start, n in zip(slots, starts, counts, strict=True):
             self.lengths[slot] = start + n
+
+    def snapshot(self, slot: SlotId, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of K and V `[layers, length, Hkv, D]`: the slot's first `length`
+        context positions, as `SlotPool.snapshot` copies the trunk's KV."""
+        if length > self.lengths[slot]:
+            raise SlotStateError(
+                f"slot {slot}: DFlash snapshot of {length} positions but it holds "
+                f"{self.lengths[slot]}"
+            )
+        return host_copy(self.k[:, slot, :length]), host_copy(self.v[:, slot, :length])
+
+    def restore(self, slot: SlotId, k: np.ndarray, v: np.ndarray) -> None:
+        """Make `slot`'s context the K/V a `snapshot` of a like pool returned."""
+        n = k.shape[1]
+        if n > self.max_context:
+            raise ContextOverflowError(
+                f"DFlash snapshot of {n} positions exceeds the context of {self.max_context}"
+            )
+        if n:
+            self.k[:, slot, :n] = device_copy(k, self.kv_dtype)
+            self.v[:, slot, :n] = device_copy(v, self.kv_dtype)
+            mx.eval(self.k, self.v)
+        self.lengths[slot] = n
 
     def read(self, slots: list[SlotId]) -> list[tuple[mx.array, mx.array]]:
         """Per layer, K/V `[N, S, Hkv, D]` of `slots` (S: their longest context)."""

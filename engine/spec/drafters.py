@@ -160,16 +160,30 @@ class _Tail:
 
 @dataclass(frozen=True)
 class _HostTail:
-    """A `_Tail` copied to host memory (`MTPDrafter.export`): hidden states `[n, E]`."""
+    """A slot's per-position arrays from `start` on, not yet fed to a drafter's model,
+    copied to host memory: an MTP `_Tail`'s hidden states `[n, E]`, a DFlash `_Context`'s
+    features `[n, T*E]`."""
 
     start: int
     n: int
-    hidden: np.ndarray | None = None
+    rows: np.ndarray | None = None
     dtype: mx.Dtype = mx.float32
+
+    @classmethod
+    def of(cls, start: int, arrays: Sequence[mx.array]) -> _HostTail:
+        if not arrays:
+            return cls(start, 0)
+        rows = mx.concatenate(list(arrays), axis=0)
+        # float32 holds every float16 / bfloat16 value exactly.
+        return cls(start, rows.shape[0], np.array(rows.astype(mx.float32)), rows.dtype)
+
+    def arrays(self) -> list[mx.array]:
+        """The rows back on the device, in their own dtype (as one array; none if n = 0)."""
+        return [] if self.rows is None else [mx.array(self.rows).astype(self.dtype)]
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.hidden is None else self.hidden.nbytes
+        return 0 if self.rows is None else self.rows.nbytes
 
 
 class MTPDrafter(Drafter):
@@ -224,19 +238,12 @@ class MTPDrafter(Drafter):
 
     def export(self, slot: SlotId) -> DrafterState | None:
         t = self._tails.get(slot)
-        if t is None:
-            return None
-        if not t.hidden:
-            return _HostTail(t.start, t.n)
-        hidden = mx.concatenate(t.hidden, axis=0)
-        # To host memory; float32 holds every float16 / bfloat16 value exactly.
-        return _HostTail(t.start, t.n, np.array(hidden.astype(mx.float32)), hidden.dtype)
+        return None if t is None else _HostTail.of(t.start, t.hidden)
 
     def adopt(self, slot: SlotId, state: DrafterState) -> None:
         if not isinstance(state, _HostTail):
             raise TypeError(f"slot {slot}: not an MTP drafter state: {type(state).__name__}")
-        hidden = [] if state.hidden is None else [mx.array(state.hidden).astype(state.dtype)]
-        self._tails[slot] = _Tail(state.start, hidden, state.n)
+        self._tails[slot] = _Tail(state.start, state.arrays(), state.n)
 
     def draft(self, jobs: Sequence[DraftJob]) -> list[Draft]:
         out = [Draft() for _ in jobs]
@@ -284,6 +291,20 @@ class _Context:
     n: int = 0
 
 
+@dataclass(frozen=True)
+class _HostContext:
+    """A DFlash slot copied to host memory (`DFlashDrafter.export`): its context K and V
+    `[layers, waiting.start, Hkv, D]` (`DFlashPool.snapshot`) and its waiting features."""
+
+    k: np.ndarray
+    v: np.ndarray
+    waiting: _HostTail
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes + self.waiting.nbytes
+
+
 class DFlashDrafter(Drafter):
     """Drafts a block per slot with a DFlash model, all slots of a step in one forward.
 
@@ -296,7 +317,8 @@ class DFlashDrafter(Drafter):
     see the drafts before them), so exact acceptance applies as for the other drafters.
     Only committed positions ever reach the pool: a rejected draft leaves nothing to
     roll back. As for MTP, a slot's backlog of `max_backlog` positions is caught up even
-    in steps that do not draft.
+    in steps that do not draft. `export` and `adopt` carry a slot's context K/V and
+    waiting features through a prefix-cache snapshot.
     """
 
     name = "dflash"
@@ -334,6 +356,27 @@ class DFlashDrafter(Drafter):
     def release(self, slot: SlotId) -> None:
         self._contexts.pop(slot, None)
         self.pool.truncate(slot, 0)
+
+    def export(self, slot: SlotId) -> DrafterState | None:
+        """The slot's state at the trunk's length (that of the pool snapshot taken with it):
+        the context K/V of the positions before it the pool holds, the waiting features of
+        the others; nothing of a position at or past it. None if the drafter does not
+        follow the slot up to there."""
+        c = self._contexts.get(slot)
+        length = self.runner.pool.lengths[slot]
+        if c is None or c.start + c.n < length:
+            return None
+        kept = min(c.start, length)
+        k, v = self.pool.snapshot(slot, kept)
+        waiting = [mx.concatenate(c.features)[: length - kept]] if length > kept else []
+        return _HostContext(k, v, _HostTail.of(kept, waiting))
+
+    def adopt(self, slot: SlotId, state: DrafterState) -> None:
+        if not isinstance(state, _HostContext):
+            raise TypeError(f"slot {slot}: not a DFlash drafter state: {type(state).__name__}")
+        self.pool.restore(slot, state.k, state.v)
+        w = state.waiting
+        self._contexts[slot] = _Context(w.start, w.arrays(), w.n)
 
     def bytes_for(self, context_tokens: int) -> int:
         return self.pool.bytes_for(context_tokens)
