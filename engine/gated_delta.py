@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.kernels import gated_delta_cuda
+from engine.kernels.cuda import available
 
 
 def l2_normalize(x: mx.array, eps: float) -> mx.array:
@@ -80,7 +81,7 @@ def gated_delta(
 ) -> tuple[mx.array, mx.array]:
     """Run the recurrence. Returns (o, final state `[B, Hv, dv, dk]`), or with `capture`
     (o, states after every position `[B, T, Hv, dv, dk]`) so a row can be rolled back."""
-    if gated_delta_cuda.available():
+    if available():
         return gated_delta_cuda.gated_delta_cuda(q, k, v, g, beta, state, tiled, capture)
     if capture:
         return gated_delta_reference(q, k, v, g, beta, state, tiled)

@@ -10,6 +10,7 @@ import pytest
 
 from engine.gated_delta import gated_delta, gated_delta_chunked, gated_delta_reference
 from engine.kernels import gated_delta_cuda
+from engine.kernels.cuda import available
 
 
 def inputs(B: int, T: int, Hk: int, Hv: int, dk: int, dv: int, seed: int = 0) -> list[mx.array]:
@@ -57,7 +58,7 @@ def test_default_path_matches_reference(shape: tuple[int, ...], tiled: bool, cap
     check(capture, tiled, shape)
 
 
-@pytest.mark.skipif(not gated_delta_cuda.available(), reason="needs MLX's CUDA backend")
+@pytest.mark.skipif(not available(), reason="needs MLX's CUDA backend")
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("tiled", [True, False])
 @pytest.mark.parametrize("capture", [False, True])

@@ -24,7 +24,6 @@ Numerics: f32 arithmetic throughout; tests compare with the portable path.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import mlx.core as mx
 
@@ -148,10 +147,6 @@ def enabled() -> bool:
     return available() and os.environ.get("SLOTSERVE_FUSED_ATTENTION", "1") != "0"
 
 
-def _kernel(name: str, inputs: list[str], outputs: list[str], source: str) -> Any:
-    return cached_kernel("attention", name, inputs, outputs, source)
-
-
 def attention_cuda(
     proj: mx.array,
     pad_index: mx.array,
@@ -187,7 +182,8 @@ def attention_cuda(
     f32, kv_dtype = mx.float32, k_past.dtype
     common = [("OUT_T", proj.dtype), ("KV_T", kv_dtype), ("H", n_heads), ("HKV", Hkv)]
     common += [("D", D), ("W", W)]
-    prepare = _kernel(
+    prepare = cached_kernel(
+        "attention",
         f"prepare_{eps!r}",
         ["proj", "pad_index", "pack_index", "row_starts", "q_norm", "k_norm", "omega"],
         ["q_out", "k_out", "v_out"],
@@ -211,7 +207,8 @@ def attention_cuda(
         output_dtypes=[proj.dtype, kv_dtype, kv_dtype],
     )
     scale = 1.0 / float(D) ** 0.5
-    attend = _kernel(
+    attend = cached_kernel(
+        "attention",
         f"attend_{scale!r}",
         [
             "proj",

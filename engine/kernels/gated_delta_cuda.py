@@ -15,11 +15,9 @@ state `[B, Hv, dv, dk]`, all float32.
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 
-from engine.kernels.cuda import available  # noqa: F401  (where callers look for it)
+from engine.kernels.cuda import cached_kernel
 
 _SOURCE = """
     const int lane = threadIdx.x & 31;
@@ -82,8 +80,6 @@ _SOURCE = """
     }
 """
 
-_kernel: Any = None
-
 
 def gated_delta_cuda(
     q: mx.array,
@@ -97,19 +93,14 @@ def gated_delta_cuda(
 ) -> tuple[mx.array, mx.array]:
     """Returns (o `[B, T, Hv, dv]`, final state) or, with `capture`, (o, states after
     every position `[B, T, Hv, dv, dk]`)."""
-    global _kernel
-    if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(
-            name="slotserve_gated_delta",
-            input_names=["q", "k", "v", "g", "beta", "state"],
-            output_names=["out", "state_out"],
-            source=_SOURCE,
-        )
+    kernel = cached_kernel(
+        "gated_delta", "", ["q", "k", "v", "g", "beta", "state"], ["out", "state_out"], _SOURCE
+    )
     B, T, Hv, dv = v.shape
     dk = q.shape[-1]
     state_shape = (B, T, Hv, dv, dk) if capture else (B, Hv, dv, dk)
     f32 = mx.float32
-    out, states = _kernel(
+    out, states = kernel(
         inputs=[
             q.astype(f32),
             k.astype(f32),

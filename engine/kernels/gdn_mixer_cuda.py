@@ -19,11 +19,10 @@ the conv taps); tests compare the two on the GPU.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import mlx.core as mx
 
-from engine.kernels.gated_delta_cuda import available
+from engine.kernels.cuda import available, cached_kernel
 
 _SOURCE = """
     constexpr int CQ = HK * DK;
@@ -143,8 +142,6 @@ _SOURCE = """
     }
 """
 
-_kernels: dict[float, Any] = {}
-
 
 def enabled() -> bool:
     """On MLX's CUDA backend, unless SLOTSERVE_FUSED_GDN=0 asks for the portable ops."""
@@ -175,24 +172,23 @@ def gdn_mixer_cuda(
     ssm `[B, Hv, dv, dk]` (f32). Returns the gated, normalised output `[N, Hv*dv]`
     in `proj`'s dtype, the final ssm state and the new conv state (f32).
     """
-    kernel: Any = _kernels.get(eps)
-    if kernel is None:  # eps is a float: baked into the source (template args are ints)
-        kernel = _kernels[eps] = mx.fast.cuda_kernel(
-            name=f"slotserve_gdn_mixer_{len(_kernels)}",
-            input_names=[
-                "proj",
-                "pad_index",
-                "row_lengths",
-                "conv_state",
-                "state",
-                "conv_w",
-                "dt_bias",
-                "ssm_a",
-                "norm_w",
-            ],
-            output_names=["y", "state_out", "conv_out"],
-            source=f"    constexpr float EPS = {eps!r}f;\n" + _SOURCE,
-        )
+    kernel = cached_kernel(
+        "gdn_mixer",
+        repr(eps),  # a float: baked into the source (template arguments are integers)
+        [
+            "proj",
+            "pad_index",
+            "row_lengths",
+            "conv_state",
+            "state",
+            "conv_w",
+            "dt_bias",
+            "ssm_a",
+            "norm_w",
+        ],
+        ["y", "state_out", "conv_out"],
+        f"    constexpr float EPS = {eps!r}f;\n" + _SOURCE,
+    )
     N, W = proj.shape
     B, Hv, dv, dk = ssm.shape
     Cc, Kc = conv_w.shape
