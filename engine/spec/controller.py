@@ -101,9 +101,9 @@ class CostController:
     seconds: dict[int, dict[int, float]] = field(default_factory=dict)  # width -> depth -> s
     _rates: dict[tuple[SlotId, str], _Rate] = field(default_factory=dict)
     _pooled: dict[str, _Rate] = field(default_factory=dict)  # per drafter, all slots
-    _since_plain: dict[int, int] = field(default_factory=dict)  # steps since width ran plain
     _steps: dict[int, int] = field(default_factory=dict)  # steps observed per width
-    _measured_at: dict[tuple[int, int], int] = field(default_factory=dict)  # (width, depth)
+    # (width, depth) -> the width's step count when that depth last ran
+    _measured_at: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def rate(self, slot: SlotId, drafter: str) -> float:
         """Estimated chance that the slot's next draft token from `drafter` is accepted."""
@@ -123,7 +123,7 @@ class CostController:
 
     def predict(self, width: int, depth: int) -> float | None:
         """Seconds of a step of `width` slots whose deepest draft is `depth` (None: unknown)."""
-        table = self._fresh(width)
+        table = self.seconds.get(width, {})
         if depth in table or 0 not in table:
             return table.get(depth)
         below = max(d for d in table if d < depth)
@@ -135,23 +135,26 @@ class CostController:
         slope = (table[below] - table[0]) / below if below else 0.0
         return table[0] + slope * depth
 
-    def _fresh(self, width: int) -> dict[int, float]:
-        """The width's step times, less drafting depths not measured for `remeasure_every`
-        of its steps (plain decode is re-measured on its own schedule)."""
+    def _forget_stale(self, width: int) -> None:
+        """Drop the width's drafting depths not measured for `remeasure_every` of its steps:
+        they are predicted from the others again, and so tried (plain decode is
+        re-measured on its own schedule)."""
         table = self.seconds.get(width, {})
+        for d in [d for d in table if d and self._age(width, d) >= self.remeasure_every]:
+            del table[d]
+
+    def _age(self, width: int, depth: int) -> int:
+        """Steps of `width` since one of depth `depth` ran (0 if none has)."""
         now = self._steps.get(width, 0)
-        return {
-            d: t
-            for d, t in table.items()
-            if d == 0 or now - self._measured_at.get((width, d), now) < self.remeasure_every
-        }
+        return now - self._measured_at.get((width, depth), now)
 
     def choose(self, offers: Sequence[Offer]) -> list[int]:
         """Draft depth per offer for a step whose batch width is `len(offers)`."""
         width = len(offers)
+        self._forget_stale(width)
         ks = [o.cap if o.mode == "on" else 0 for o in offers]
         auto = [i for i, o in enumerate(offers) if o.mode == "auto" and o.cap > 0]
-        stale = self._since_plain.get(width, 0) >= self.remeasure_every and not any(ks)
+        stale = self._age(width, 0) >= self.remeasure_every and not any(ks)
         if auto and 0 in self.seconds.get(width, {}) and not stale:
             ks = self._deepen(offers, ks, auto)
         for i in auto:
@@ -184,14 +187,10 @@ class CostController:
         predicted = self.predict(width, depth)
         if predicted is not None and predicted > 0:
             seconds = min(seconds, 4 * predicted)
-        fresh = depth in self._fresh(width)
         old = table.get(depth)
-        table[depth] = (
-            seconds if old is None or not fresh else old + self.smoothing * (seconds - old)
-        )
+        table[depth] = seconds if old is None else old + self.smoothing * (seconds - old)
         self._steps[width] = self._steps.get(width, 0) + 1
         self._measured_at[width, depth] = self._steps[width]
-        self._since_plain[width] = 0 if depth == 0 else self._since_plain.get(width, 0) + 1
 
     def observe_round(self, slot: SlotId, drafter: str, drafted: int, accepted: int) -> None:
         """A verify round of the slot accepted `accepted` of `drafted` tokens from `drafter`."""

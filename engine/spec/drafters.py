@@ -383,6 +383,7 @@ class DFlashDrafter(Drafter):
 
     def draft(self, jobs: Sequence[DraftJob]) -> list[Draft]:
         out = [Draft() for _ in jobs]
+        self.caught_up = 0
         live = [(i, j) for i, j in enumerate(jobs) if self.available(j.d, j.length)]
         drafting = [(i, j) for i, j in live if j.k]
         backlog = any(self._contexts[j.d.slot].n >= self.max_backlog for _, j in live)
@@ -412,6 +413,7 @@ class DFlashDrafter(Drafter):
         waiting = [(s, self._contexts[s]) for s in slots if self._contexts[s].n]
         if not waiting:
             return
+        self.caught_up = max(c.n for _, c in waiting)
         features = mx.concatenate([f for _, c in waiting for f in c.features], axis=0)
         positions = mx.concatenate([mx.arange(c.start, c.start + c.n) for _, c in waiting])
         self.pool.write(
