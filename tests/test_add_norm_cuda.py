@@ -11,9 +11,10 @@ import pytest
 from gpu_paths import assert_as_close_as, on_cpu, two_steps
 
 from engine.kernels import add_norm_cuda
+from engine.kernels.cuda import available
 from engine.models.qwen35 import rms_norm
 
-pytestmark = pytest.mark.skipif(not add_norm_cuda.available(), reason="needs MLX's CUDA backend")
+pytestmark = pytest.mark.skipif(not available(), reason="needs MLX's CUDA backend")
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])

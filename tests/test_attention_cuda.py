@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from gpu_paths import assert_as_close_as, on_cpu, two_steps
 
-from engine.kernels import attention_cuda
+from engine.kernels.cuda import available
 
-pytestmark = pytest.mark.skipif(not attention_cuda.available(), reason="needs MLX's CUDA backend")
+pytestmark = pytest.mark.skipif(not available(), reason="needs MLX's CUDA backend")
 
 
 @pytest.mark.parametrize(

@@ -17,10 +17,11 @@ from gpu_paths import assert_as_close_as, on_cpu, two_steps
 
 from engine.gated_delta import gated_delta, l2_normalize
 from engine.kernels import gdn_mixer_cuda
+from engine.kernels.cuda import available
 from engine.models.batch import Layout
 from engine.models.qwen35 import conv_tail
 
-pytestmark = pytest.mark.skipif(not gdn_mixer_cuda.available(), reason="needs MLX's CUDA backend")
+pytestmark = pytest.mark.skipif(not available(), reason="needs MLX's CUDA backend")
 
 
 @pytest.mark.parametrize("overrides", [{}, {"ssm_state_size": 128}, {"preset": "tiny-next"}])

@@ -10,11 +10,9 @@ sum in the stream's dtype, reduces the squares of those rounded values (what the
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 
-from engine.kernels.cuda import available, cached_kernel
+from engine.kernels.cuda import cached_kernel, switched_on
 
 _SOURCE = """
     const long row = blockIdx.x;
@@ -49,8 +47,8 @@ _SOURCE = """
 
 
 def enabled() -> bool:
-    """On MLX's CUDA backend, unless SLOTSERVE_FUSED_ADD_NORM=0 asks for the portable ops."""
-    return available() and os.environ.get("SLOTSERVE_FUSED_ADD_NORM", "1") != "0"
+    """On MLX's CUDA backend, unless SLOTSERVE_FUSED_ADD_NORM=0."""
+    return switched_on("ADD_NORM")
 
 
 def add_rms_norm_cuda(

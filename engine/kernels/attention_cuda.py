@@ -23,11 +23,9 @@ Numerics: f32 arithmetic throughout; tests compare with the portable path.
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 
-from engine.kernels.cuda import available, cached_kernel
+from engine.kernels.cuda import cached_kernel, switched_on
 
 _PREPARE = """
     constexpr int PER = D / 32;
@@ -143,8 +141,8 @@ _ATTEND = """
 
 
 def enabled() -> bool:
-    """On MLX's CUDA backend, unless SLOTSERVE_FUSED_ATTENTION=0 asks for the portable ops."""
-    return available() and os.environ.get("SLOTSERVE_FUSED_ATTENTION", "1") != "0"
+    """On MLX's CUDA backend, unless SLOTSERVE_FUSED_ATTENTION=0."""
+    return switched_on("ATTENTION")
 
 
 def attention_cuda(

@@ -1,8 +1,9 @@
-"""What every CUDA kernel module here shares: where the kernels can run, and one cache of
-compiled kernels keyed by family and source variant."""
+"""What every CUDA kernel module here shares: where the kernels can run, the switch that
+turns one off, and one cache of compiled kernels keyed by family and source variant."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import mlx.core as mx
@@ -13,6 +14,12 @@ _kernels: dict[tuple[str, str], Any] = {}
 def available() -> bool:
     """True where the kernels can run: MLX's CUDA backend on the default GPU device."""
     return bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu
+
+
+def switched_on(name: str) -> bool:
+    """Whether a fused path runs: on MLX's CUDA backend, unless `SLOTSERVE_FUSED_<name>=0`
+    asks for the portable ops (read at each call: tests flip it between models)."""
+    return available() and os.environ.get(f"SLOTSERVE_FUSED_{name}", "1") != "0"
 
 
 def cached_kernel(

@@ -18,11 +18,9 @@ the conv taps); tests compare the two on the GPU.
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 
-from engine.kernels.cuda import available, cached_kernel
+from engine.kernels.cuda import cached_kernel, switched_on
 
 _SOURCE = """
     constexpr int CQ = HK * DK;
@@ -144,8 +142,8 @@ _SOURCE = """
 
 
 def enabled() -> bool:
-    """On MLX's CUDA backend, unless SLOTSERVE_FUSED_GDN=0 asks for the portable ops."""
-    return available() and os.environ.get("SLOTSERVE_FUSED_GDN", "1") != "0"
+    """On MLX's CUDA backend, unless SLOTSERVE_FUSED_GDN=0."""
+    return switched_on("GDN")
 
 
 def gdn_mixer_cuda(
