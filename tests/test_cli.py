@@ -128,7 +128,7 @@ def test_token_outside_the_vocabulary_exits_2(tiny_qwen35: Path, tmp_path: Path)
     assert "Traceback" not in run.stderr
 
 
-def test_demo_serves_the_trained_model_and_prints_python(tmp_path: Path) -> None:
+def test_demo_serves_the_trained_model_and_prints_three_completions(tmp_path: Path) -> None:
     """`slotserve demo`'s defaults: the committed model, load, sampled completions, exit 0."""
     r = slotserve(
         "demo", "--duration", "2", "--concurrency", "2", "--max-tokens", "24", cwd=tmp_path

@@ -32,7 +32,7 @@ def held_out_perplexity(model: Model, ids: np.ndarray, window: int, n_windows: i
     nll, count = 0.0, 0
     n = min(n_windows, ids.size // window)
     for w in range(n):
-        start = w * (ids.size - window) // max(1, n - 1) if n > 1 else 0
+        start = w * (ids.size - window) // (n - 1) if n > 1 else 0
         tokens = ids[start : start + window].astype(np.int64)
         logits = mx.array(prefill_logits(model, tokens.tolist())[:-1])
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
