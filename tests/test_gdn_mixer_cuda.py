@@ -1,7 +1,6 @@
-"""The fused CUDA mixer core against the portable path, on MLX's CUDA backend only.
-
-Capture rows always take the portable path, so running the same rows with and
-without capture compares the two paths end to end, through the real model.
+"""The fused CUDA mixer core against the portable path, on MLX's CUDA backend only:
+the kernel against the portable formulas, and end to end through the real model
+(`SLOTSERVE_FUSED_GDN=0` selects the portable ops), capture rows included.
 """
 
 from __future__ import annotations
@@ -28,10 +27,14 @@ pytestmark = pytest.mark.skipif(not available(), reason="needs MLX's CUDA backen
 def test_fused_mixer_matches_the_portable_path(
     make_model: Callable[..., Path], overrides: dict[str, object], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Fused (no capture rows) and portable (capture rows) paths against the CPU."""
-    monkeypatch.setenv("SLOTSERVE_FUSED_GDN", "1")
+    """Fused and portable paths against the CPU, without and with capture rows."""
     path = make_model("tiny", quant="f32", **overrides)
-    assert_as_close_as(two_steps(path), two_steps(path, capture=True), on_cpu(path))
+    cpu = on_cpu(path)
+    monkeypatch.setenv("SLOTSERVE_FUSED_GDN", "0")
+    portable = two_steps(path, capture=True)
+    monkeypatch.setenv("SLOTSERVE_FUSED_GDN", "1")
+    assert_as_close_as(two_steps(path), portable, cpu)
+    assert_as_close_as(two_steps(path, capture=True), portable, cpu)
 
 
 @pytest.mark.parametrize(
@@ -47,20 +50,22 @@ def test_fused_mixer_matches_the_portable_path(
 )
 @pytest.mark.parametrize("tiled", [True, False])
 @pytest.mark.parametrize("fused_ba", [True, False])
+@pytest.mark.parametrize("capture", [False, True])
 def test_kernel_matches_the_portable_ops(
-    lengths: tuple[int, ...], Hk: int, Hv: int, dk: int, tiled: bool, fused_ba: bool
+    lengths: tuple[int, ...], Hk: int, Hv: int, dk: int, tiled: bool, fused_ba: bool, capture: bool
 ) -> None:
     dv, Kc, eps = dk, 4, 1e-6
     Cq, B = Hk * dk, len(lengths)
     Cc, Cv, r = 2 * Cq + Hv * dv, Hv * dv, Hv // Hk
-    layout = Layout.build(list(lengths), [5] * B)
+    cap_rows = tuple(range(0, B, 2)) if capture else ()  # every other row: mixed batches
+    layout = Layout.build(list(lengths), [5] * B, [b in cap_rows for b in range(B)])
     N = sum(lengths)
     mx.random.seed(0)
     proj = mx.random.normal((N, Cc + Cv + 2 * Hv))
     conv, ssm = mx.random.normal((B, Kc - 1, Cc)), mx.random.normal((B, Hv, dv, dk)) * 0.1
     cw, dt = mx.random.normal((Cc, Kc)) * 0.5, mx.random.normal((Hv,)) * 0.1
     sa, nw = -mx.random.uniform(0.5, 2.0, (Hv,)), 1 + 0.1 * mx.random.normal((dv,))
-    y, st, conv_out = gdn_mixer_cuda.gdn_mixer_cuda(
+    y, st, conv_out, kept = gdn_mixer_cuda.gdn_mixer_cuda(
         proj,
         layout.pad_index,
         layout.row_lengths,
@@ -74,6 +79,7 @@ def test_kernel_matches_the_portable_ops(
         tiled=tiled,
         fused_ba=fused_ba,
         eps=eps,
+        capture_rows=cap_rows,
     )
 
     # The portable formulas, over the padded view of the same packed columns.
@@ -97,3 +103,18 @@ def test_kernel_matches_the_portable_ops(
     assert float(mx.abs(y - y_ref).max()) <= 1e-5 * float(mx.abs(y_ref).max())
     assert float(mx.abs(st - st_ref).max()) <= 1e-5 * float(mx.abs(st_ref).max())
     assert float(mx.abs(conv_out - conv_tail(window, layout, Kc)).max()) == 0.0
+    if not cap_rows:
+        assert kept is None
+        return
+    # Capture: the window as the portable path keeps it, and the state before the row and
+    # after each position (padding positions keep the last state).
+    ci = mx.array(cap_rows, dtype=mx.int32)
+    windows, states = kept
+    _, st_all = gated_delta(
+        q[ci], k[ci], v[ci], g[ci], mx.where(valid, mx.sigmoid(b), 0.0)[ci], ssm[ci], tiled, True
+    )
+    st_all = mx.concatenate([ssm[ci][:, None], st_all], axis=1)
+    assert windows.shape == (len(cap_rows), Kc - 1 + T, Cc)
+    assert float(mx.abs(windows - window[ci]).max()) == 0.0
+    assert states.shape == st_all.shape
+    assert float(mx.abs(states - st_all).max()) <= 1e-5 * float(mx.abs(st_all).max())

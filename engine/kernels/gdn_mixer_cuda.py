@@ -1,4 +1,4 @@
-"""The whole Gated DeltaNet mixer core as ONE CUDA kernel (no capture rows).
+"""The whole Gated DeltaNet mixer core as ONE CUDA kernel, capture rows included.
 
 Between the input projection and the output projection, the portable path
 (`engine.models.qwen35.GatedDeltaNet`) runs a dozen operations: causal conv,
@@ -12,11 +12,19 @@ in registers, recompute the short conv for the channels they need from the conv
 state and the new inputs, and normalise the head's output through shared
 memory. The blocks also write each row's new conv state (its last Kc-1 inputs).
 
+Capture rows (speculative verify runs) run in the same launch: their blocks also
+write the recurrent state before the row and after each of its positions, and the
+row's conv window (conv state + its inputs), which is what `SlotPool.rollback`
+keeps a prefix of. That variant is a second kernel (its outputs differ); a batch
+without capture rows never pays for it.
+
 Numerics follow the portable path (f32 throughout, same formulas and order of
 the conv taps); tests compare the two on the GPU.
 """
 
 from __future__ import annotations
+
+import functools
 
 import mlx.core as mx
 
@@ -64,6 +72,7 @@ _SOURCE = """
         for (int j = 0; j < KC - 1; ++j)
             conv_out[(long(b) * (KC - 1) + j) * CC + c] = win(c, n_b + j);
     }
+/*CAPTURE_WINDOW*/
 
     float s[ROWS][NPER];
     #pragma unroll
@@ -75,6 +84,7 @@ _SOURCE = """
             s[r][m] = j < DK ? src[j] : 0.0f;
         }
     }
+/*CAPTURE_STATE_0*/
     for (int t = 0; t < n_b; ++t) {
         const long row = pad_index[b * T + t];
         float qv[NPER], kv[NPER];
@@ -114,6 +124,7 @@ _SOURCE = """
             o = warp_sum(o);
             if (lane == 0) o_sh[i] = o;
         }
+/*CAPTURE_STATE_T*/
         __syncthreads();
         float ss = 0.0f;
         for (int i = lane; i < DV; i += 32) ss += o_sh[i] * o_sh[i];
@@ -129,6 +140,7 @@ _SOURCE = """
         }
         __syncthreads();
     }
+/*CAPTURE_PADDING*/
     #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         float* dst = state_out + ((long(b) * HV + h) * DV + w + NW * r) * DK;
@@ -139,6 +151,59 @@ _SOURCE = """
         }
     }
 """
+
+# The capture variant's additions. `cap_index[b]`: row b's place among the capture rows,
+# -1 for the others. States go to `cap_states [Bc, T+1, HV, DV, DK]` (before the row, then
+# after each position; padding positions keep the last state, as the portable path's
+# zero-decay, zero-beta padding does) and the window to `cap_window [Bc, KC-1+T, CC]`.
+_CAPTURE = {
+    "/*CAPTURE_WINDOW*/": """
+    const int cj = cap_index[b];
+    if (cj >= 0) {
+        for (int c = h * blockDim.x + threadIdx.x; c < CC; c += HV * blockDim.x)
+            for (int pos = 0; pos < KC - 1 + T; ++pos)
+                cap_window[(long(cj) * (KC - 1 + T) + pos) * CC + c] = win(c, pos);
+    }
+""",
+    "/*CAPTURE_STATE_0*/": """
+    auto keep_state = [&](int at) {
+        #pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            float* dst = cap_states
+                + ((((long(cj) * (T + 1) + at) * HV + h) * DV) + w + NW * r) * DK;
+            #pragma unroll
+            for (int m = 0; m < NPER; ++m) {
+                const int j = lane + 32 * m;
+                if (j < DK) dst[j] = s[r][m];
+            }
+        }
+    };
+    if (cj >= 0) keep_state(0);
+""",
+    "/*CAPTURE_STATE_T*/": """
+        if (cj >= 0) keep_state(t + 1);
+""",
+    "/*CAPTURE_PADDING*/": """
+    if (cj >= 0)
+        for (int t = n_b; t < T; ++t) keep_state(t + 1);
+""",
+}
+
+
+def _source(eps: float, capture: bool) -> str:
+    src = f"    constexpr float EPS = {eps!r}f;\n" + _SOURCE
+    for marker, code in _CAPTURE.items():
+        src = src.replace(marker, code if capture else "")
+    return src
+
+
+@functools.cache
+def _capture_index(rows: int, capture_rows: tuple[int, ...]) -> mx.array:
+    """`[rows]` int32: each row's place among the capture rows, -1 for the others."""
+    index = [-1] * rows
+    for j, b in enumerate(capture_rows):
+        index[b] = j
+    return mx.array(index, dtype=mx.int32)
 
 
 def enabled() -> bool:
@@ -161,49 +226,68 @@ def gdn_mixer_cuda(
     tiled: bool,
     fused_ba: bool,
     eps: float,
-) -> tuple[mx.array, mx.array, mx.array]:
+    capture_rows: tuple[int, ...] = (),
+) -> tuple[mx.array, mx.array, mx.array, tuple[mx.array, mx.array] | None]:
     """The mixer core of a batch of rows, packed in and packed out.
 
     `proj` `[N, W]`: the packed output of the input projection, columns
     `[conv inputs Cc | z Hv*dv | beta, alpha]`; `pad_index` `[B, T]` and
     `row_lengths` `[B]` from the batch `Layout`; state conv `[B, Kc-1, Cc]` and
     ssm `[B, Hv, dv, dk]` (f32). Returns the gated, normalised output `[N, Hv*dv]`
-    in `proj`'s dtype, the final ssm state and the new conv state (f32).
+    in `proj`'s dtype, the final ssm state, the new conv state (f32) and, when
+    `capture_rows` names rows, their capture: (windows `[Bc, Kc-1+T, Cc]`, states
+    `[Bc, T+1, Hv, dv, dk]`), as `LinearCapture` holds them.
     """
+    capture = bool(capture_rows)
+    inputs = [
+        "proj",
+        "pad_index",
+        "row_lengths",
+        "conv_state",
+        "state",
+        "conv_w",
+        "dt_bias",
+        "ssm_a",
+        "norm_w",
+    ]
+    outputs = ["y", "state_out", "conv_out"]
+    if capture:
+        inputs.append("cap_index")
+        outputs += ["cap_states", "cap_window"]
     kernel = cached_kernel(
         "gdn_mixer",
-        repr(eps),  # a float: baked into the source (template arguments are integers)
-        [
-            "proj",
-            "pad_index",
-            "row_lengths",
-            "conv_state",
-            "state",
-            "conv_w",
-            "dt_bias",
-            "ssm_a",
-            "norm_w",
-        ],
-        ["y", "state_out", "conv_out"],
-        f"    constexpr float EPS = {eps!r}f;\n" + _SOURCE,
+        # eps is a float: baked into the source (template arguments are integers)
+        f"{eps!r}{' capture' if capture else ''}",
+        inputs,
+        outputs,
+        _source(eps, capture),
     )
     N, W = proj.shape
     B, Hv, dv, dk = ssm.shape
     Cc, Kc = conv_w.shape
+    T = pad_index.shape[1]
     nw = 8 if dv % 8 == 0 else 1
     f32 = mx.float32
-    y, state, conv = kernel(
-        inputs=[
-            proj,
-            pad_index,
-            row_lengths,
-            conv_state.astype(f32),
-            ssm.astype(f32),
-            conv_w.astype(f32),
-            dt_bias.astype(f32),
-            ssm_a.astype(f32),
-            norm_w.astype(f32),
-        ],
+    arrays = [
+        proj,
+        pad_index,
+        row_lengths,
+        conv_state.astype(f32),
+        ssm.astype(f32),
+        conv_w.astype(f32),
+        dt_bias.astype(f32),
+        ssm_a.astype(f32),
+        norm_w.astype(f32),
+    ]
+    shapes = [(N, Hv * dv), (B, Hv, dv, dk), (B, Kc - 1, Cc)]
+    dtypes = [proj.dtype, f32, f32]
+    if capture:
+        Bc = len(capture_rows)
+        arrays.append(_capture_index(B, tuple(capture_rows)))
+        shapes += [(Bc, T + 1, Hv, dv, dk), (Bc, Kc - 1 + T, Cc)]
+        dtypes += [f32, f32]
+    out = kernel(
+        inputs=arrays,
         template=[
             ("OUT_T", proj.dtype),
             ("HK", n_key_heads),
@@ -221,7 +305,8 @@ def gdn_mixer_cuda(
         ],
         grid=(B * Hv * nw * 32, 1, 1),
         threadgroup=(nw * 32, 1, 1),
-        output_shapes=[(N, Hv * dv), (B, Hv, dv, dk), (B, Kc - 1, Cc)],
-        output_dtypes=[proj.dtype, f32, f32],
+        output_shapes=shapes,
+        output_dtypes=dtypes,
     )
-    return y, state, conv
+    y, state, conv = out[:3]
+    return y, state, conv, (out[4], out[3]) if capture else None

@@ -205,8 +205,9 @@ class GatedDeltaNet:
         self, x: mx.array, layout: Layout, state: LinearState
     ) -> tuple[mx.array, LinearState, LinearCapture | None]:
         cfg = self.cfg
-        if gdn_mixer_cuda.enabled() and not any(layout.capture):
-            y, ssm, conv = gdn_mixer_cuda.gdn_mixer_cuda(
+        if gdn_mixer_cuda.enabled():
+            cap_rows = tuple(b for b, c in enumerate(layout.capture) if c)
+            y, ssm, conv, kept = gdn_mixer_cuda.gdn_mixer_cuda(
                 self.proj.joined(x),
                 layout.pad_index,
                 layout.row_lengths,
@@ -220,8 +221,10 @@ class GatedDeltaNet:
                 tiled=cfg.v_heads_tiled,
                 fused_ba=self.fused_ba,
                 eps=cfg.rms_eps,
+                capture_rows=cap_rows,
             )
-            return matmul(y, self.w_out), LinearState(conv, ssm), None
+            capture = None if kept is None else LinearCapture(cap_rows, *kept)
+            return matmul(y, self.w_out), LinearState(conv, ssm), capture
         Hk, Hv, dk, dv, Kc = cfg.ssm_hk, cfg.ssm_hv, cfg.ssm_dk, cfg.ssm_dv, cfg.conv_kernel
         Cq = Hk * dk
         p_raw, z_raw, *ba = self.proj(x)

@@ -1,0 +1,199 @@
+"""Where a decode step's time goes on the GPU: a kernel timeline through CUPTI.
+
+Runs the decode loop of `step_roofline.py` (N rows in one runner step, the argmax on the
+device, the tokens to the host) under `torch.profiler`, whose CUPTI tracing records every
+CUDA kernel of the process — MLX's too — with its start and duration, and the CUDA API
+calls that launched them. Per N it reports, per step: wall time, kernels, the sum of their
+durations, the time the GPU was busy (the union of the kernels' intervals) and idle, the
+delay from the step's start to its first kernel, graph launches, and the kernels that take
+the most time, grouped by name. Needs torch with CUDA beside MLX's CUDA backend.
+
+    python bench/gpu_timeline.py --preset qwen3.5-0.8b --quant f16 --dtype bf16 --n 1,8 \
+        --model-dir MODELS --json OUT.json --trace-dir OUT/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+STEP = "slotserve_step"
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of `(start, end)` intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without template arguments and namespaces, for grouping."""
+    base = re.sub(r"<.*", "", name)
+    base = re.sub(r"\(.*", "", base)
+    return base.split("::")[-1][:60] or name[:60]
+
+
+def summarize_trace(events: list[dict[str, Any]], top: int = 12) -> dict[str, Any]:
+    """Per-step figures from a Chrome trace's events (`torch.profiler`'s export).
+
+    Steps are the `STEP` annotations; a kernel belongs to the step its start falls in.
+    Returns medians over the steps, and the top kernels by time per step.
+    """
+    steps = sorted(
+        (e["ts"], e["ts"] + e["dur"])
+        for e in events
+        if e.get("name") == STEP and e.get("ph") == "X" and e.get("cat") == "user_annotation"
+    )
+    kernels = [e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    launches = [
+        e
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver")
+        and "Launch" in e.get("name", "")
+        and e.get("ph") == "X"
+    ]
+    per_step: list[dict[str, float]] = []
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for a, b in steps:
+        ks = [k for k in kernels if a <= k["ts"] < b]
+        ls = [e for e in launches if a <= e["ts"] < b]
+        iv = [(k["ts"], k["ts"] + k["dur"]) for k in ks]
+        busy = busy_us(iv)
+        per_step.append(
+            {
+                "wall_us": b - a,
+                "kernels": len(ks),
+                "kernel_sum_us": sum(k["dur"] for k in ks),
+                "busy_us": busy,
+                "idle_us": (b - a) - busy,
+                "first_kernel_us": (min(x for x, _ in iv) - a) if iv else 0.0,
+                "graph_launches": sum("Graph" in e["name"] for e in ls),
+                "kernel_launches": sum("Graph" not in e["name"] for e in ls),
+            }
+        )
+        for k in ks:
+            entry = by_name[short_name(k["name"])]
+            entry[0] += 1
+            entry[1] += k["dur"]
+    n = max(len(steps), 1)
+
+    def median(key: str) -> float:
+        vals = sorted(s[key] for s in per_step)
+        return vals[len(vals) // 2] if vals else 0.0
+
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "steps": len(steps),
+        **{k: median(k) for k in (per_step[0] if per_step else {})},
+        "top": [
+            {"kernel": name, "per_step": c / n, "us_per_step": t / n, "us_each": t / max(c, 1)}
+            for name, (c, t) in ranked
+        ],
+    }
+
+
+def profile(args: argparse.Namespace) -> dict[str, Any]:
+    import mlx.core as mx
+    import numpy as np
+    import torch
+    from step_roofline import DTYPES, ensure_model
+    from torch.profiler import ProfilerActivity, record_function
+    from torch.profiler import profile as torch_profile
+
+    from engine.cache import SlotId, SlotPool
+    from engine.gguf import GGUFFile
+    from engine.models.qwen35 import Model
+    from engine.runner import ModelRunner, Row, last_logits
+
+    torch.zeros(1, device="cuda")  # CUPTI needs the CUDA context up
+    path = ensure_model(args.preset, args.quant, Path(args.model_dir))
+    model = Model(GGUFFile(path), DTYPES[args.dtype])
+    rng = np.random.default_rng(0)
+    out_all: dict[str, Any] = {"model": path.name, "dtype": args.dtype, "by_n": {}}
+    for n in args.n:
+        pool = SlotPool(
+            model.config, n, args.prompt + args.warmup + args.steps + 8, DTYPES[args.dtype]
+        )
+        runner = ModelRunner(model, pool, compile=not args.no_compile)
+        slots = [pool.allocate() for _ in range(n)]
+        prompts = [[int(t) for t in rng.integers(0, 32000, args.prompt)] for _ in slots]
+        out = runner.step([Row(s, p, 0) for s, p in zip(slots, prompts, strict=True)])
+        toks = mx.argmax(last_logits(out.rows), axis=-1).tolist()
+
+        def step(runner: ModelRunner, slots: list[SlotId], toks: list[int]) -> list[int]:
+            lengths = runner.pool.lengths
+            rows = [Row(s, [t], lengths[s]) for s, t in zip(slots, toks, strict=True)]
+            out = runner.step(rows)
+            return [int(t) for t in mx.argmax(last_logits(out.rows), axis=-1).tolist()]
+
+        for _ in range(args.warmup):
+            toks = step(runner, slots, toks)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            toks = step(runner, slots, toks)
+        plain_ms = (time.perf_counter() - t0) / args.steps * 1e3
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.steps):
+                with record_function(STEP):
+                    toks = step(runner, slots, toks)
+        trace = Path(args.trace_dir) / f"timeline_n{n}.json"
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+        summary = summarize_trace(events)
+        summary["unprofiled_step_ms"] = plain_ms
+        out_all["by_n"][str(n)] = summary
+        print(format_summary(n, summary), file=sys.stderr)
+    return out_all
+
+
+def format_summary(n: int, s: dict[str, Any]) -> str:
+    lines = [
+        f"N={n}: step {s.get('wall_us', 0) / 1e3:.2f} ms under the profiler "
+        f"({s['unprofiled_step_ms']:.2f} ms without), {s.get('kernels', 0):.0f} kernels, "
+        f"kernel sum {s.get('kernel_sum_us', 0) / 1e3:.2f} ms, GPU busy "
+        f"{s.get('busy_us', 0) / 1e3:.2f} ms, idle {s.get('idle_us', 0) / 1e3:.2f} ms, first "
+        f"kernel after {s.get('first_kernel_us', 0) / 1e3:.2f} ms, "
+        f"{s.get('graph_launches', 0):.0f} graph launches, "
+        f"{s.get('kernel_launches', 0):.0f} direct launches",
+        f"  {'kernel':60s} {'per step':>8s} {'us/step':>9s} {'us each':>8s}",
+    ]
+    for t in s["top"]:
+        lines.append(
+            f"  {t['kernel']:60s} {t['per_step']:8.1f} {t['us_per_step']:9.1f} {t['us_each']:8.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from step_roofline import add_model_args
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_model_args(p, n="1,8")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--trace-dir", default="out/timeline")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    result = profile(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main()

@@ -1,0 +1,56 @@
+"""bench/gpu_timeline.py's trace analysis, on a hand-made trace: steps are its annotations,
+a kernel counts in the step it starts in, busy time is the union of kernel intervals."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+from gpu_timeline import STEP, busy_us, short_name, summarize_trace  # noqa: E402
+
+
+def _x(cat: str, name: str, ts: float, dur: float) -> dict[str, object]:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def test_busy_time_is_the_union_of_overlapping_intervals() -> None:
+    assert busy_us([(0, 10), (5, 15), (20, 25), (21, 22)]) == 20
+    assert busy_us([]) == 0
+
+
+def test_kernel_names_group_without_templates_or_namespaces() -> None:
+    assert short_name("void mlx::core::cu::gemv<float, 8>(float const*)") == "gemv"
+    assert short_name("custom_kernel_slotserve_gdn_mixer_0_float_16") == (
+        "custom_kernel_slotserve_gdn_mixer_0_float_16"
+    )
+
+
+def test_steps_count_their_own_kernels_gaps_and_launches() -> None:
+    events = [
+        _x("user_annotation", STEP, 0, 100),
+        _x("user_annotation", STEP, 100, 50),
+        _x("cuda_runtime", "cudaGraphLaunch", 5, 2),
+        _x("kernel", "void a::gemv<1>()", 10, 20),
+        _x("kernel", "void a::gemv<1>()", 25, 20),  # overlaps the first: busy 35, not 40
+        _x("kernel", "norm", 60, 10),
+        _x("cuda_driver", "cuLaunchKernel", 101, 1),
+        _x("kernel", "norm", 110, 30),
+        _x("kernel", "outside", 200, 5),
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 12},
+    ]
+    s = summarize_trace(events)
+    assert s["steps"] == 2
+    # medians over two steps take the larger of the two (index len // 2)
+    assert s["wall_us"] == 100
+    assert s["kernels"] == 3
+    assert s["busy_us"] == 45
+    assert s["idle_us"] == 55
+    assert s["first_kernel_us"] == 10
+    assert s["graph_launches"] == 1 and s["kernel_launches"] == 1
+    top = {t["kernel"]: t for t in s["top"]}
+    assert set(top) == {"gemv", "norm"}
+    assert top["gemv"]["per_step"] == 1.0 and top["gemv"]["us_each"] == 20
+    assert top["norm"]["us_per_step"] == 20 and top["norm"]["us_each"] == 20
