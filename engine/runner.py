@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 
 from engine.cache import SlotId, SlotPool
-from engine.models.batch import Layout, LinearCapture
+from engine.models.batch import AttentionState, Layout, LinearCapture
 from engine.models.qwen35 import Model
 
 
@@ -235,6 +235,29 @@ class ModelRunner:
             self._compiled.popitem(last=False)
         return fn
 
+    def _draft_fn(self, key: tuple[object, ...], layout: Layout) -> Callable[..., Any]:
+        """The MTP head's forward for one batch shape, compiled like the trunk's."""
+        fn = self._compiled.get(key)
+        if fn is not None:
+            self._compiled.move_to_end(key)
+            return fn
+        mtp = self.model.mtp
+        assert mtp is not None
+
+        def draft(
+            inputs: list[mx.array], kv: list[mx.array]
+        ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+            tokens, hidden, *layout_arrays = inputs
+            lay = layout.with_arrays(layout_arrays)
+            logits, h, new = mtp(tokens, hidden, lay, AttentionState(*kv))
+            return logits.astype(mx.float32), h, new.k, new.v
+
+        fn = mx.compile(draft) if self.compile else draft
+        self._compiled[key] = fn
+        if len(self._compiled) > self.MAX_FORWARDS:
+            self._compiled.popitem(last=False)
+        return fn
+
     @property
     def cached_forwards(self) -> int:
         """Batch shapes whose forward is kept now (at most `MAX_FORWARDS`)."""
@@ -242,8 +265,7 @@ class ModelRunner:
 
     def draft(self, batch: Sequence[DraftRow]) -> list[tuple[mx.array, mx.array]]:
         """One batched MTP forward. Per row: (draft logits `[n, V]`, MTP hidden h' `[n, E]`)."""
-        mtp = self.model.mtp
-        if mtp is None:
+        if self.model.mtp is None:
             raise BatchError(f"{self.model.path}: this model has no MTP head")
         slots = self._validate([r.slot for r in batch], [r.tokens for r in batch])
         starts = [r.start for r in batch]
@@ -254,11 +276,13 @@ class ModelRunner:
                     f"slot {slot}: MTP row past the context of {self.pool.max_context}"
                 )
         layout = Layout.build(lengths, starts)
-        state = self.pool.read_mtp(slots, starts)
-        tokens = _token_array(batch)
+        past = min(self.pool.max_context, -(-max(starts) // self.PAST_BUCKET) * self.PAST_BUCKET)
+        state = self.pool.read_mtp(slots, starts, past)
         hidden = mx.concatenate([r.hidden for r in batch], axis=0)
-        logits, h, new = mtp(tokens, hidden, layout, state)
-        logits = logits.astype(mx.float32)
+        key = ("mtp", layout.rows, layout.width, layout.uniform, sum(lengths), past)
+        fn = self._draft_fn(key, layout)
+        logits, h, k, v = fn([_token_array(batch), hidden, *layout.arrays()], [state.k, state.v])
+        new = AttentionState(k, v)
         mx.eval(logits, h, new.k, new.v)  # before the pool changes, as in `step`
         self.pool.write_mtp(slots, starts, lengths, layout, new)
         assert self.pool.mtp_k is not None and self.pool.mtp_v is not None

@@ -15,18 +15,25 @@ import mlx.core as mx
 from engine.kernels.cuda import cached_kernel, switched_on
 
 _SOURCE = """
+    constexpr int ITEMS = (E + BLOCK - 1) / BLOCK;
     const long row = blockIdx.x;
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
     __shared__ float partial[BLOCK / 32];
+    float hv[ITEMS];  // the row's sum stays in registers between the two passes
     float ss = 0.0f;
-    for (int j = tid; j < E; j += BLOCK) {
-        const T s = static_cast<T>(
-            static_cast<float>(x[row * E + j]) + static_cast<float>(m[row * E + j]));
-        h[row * E + j] = s;
-        const float f = static_cast<float>(s);
-        ss += f * f;
+    #pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        const int j = tid + i * BLOCK;
+        hv[i] = 0.0f;
+        if (j < E) {
+            const T s = static_cast<T>(
+                static_cast<float>(x[row * E + j]) + static_cast<float>(m[row * E + j]));
+            h[row * E + j] = s;
+            hv[i] = static_cast<float>(s);
+            ss += hv[i] * hv[i];
+        }
     }
     #pragma unroll
     for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, off);
@@ -40,8 +47,10 @@ _SOURCE = """
     }
     __syncthreads();
     const float inv = rsqrtf(partial[0] / E + EPS);
-    for (int j = tid; j < E; j += BLOCK) {
-        a[row * E + j] = static_cast<T>(static_cast<float>(h[row * E + j]) * inv * w[j]);
+    #pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        const int j = tid + i * BLOCK;
+        if (j < E) a[row * E + j] = static_cast<T>(hv[i] * inv * w[j]);
     }
 """
 
@@ -65,7 +74,7 @@ def add_rms_norm_cuda(
         ["h", "a"],
         f"    constexpr float EPS = {eps!r}f;\n" + _SOURCE,
     )
-    block = 256 if E >= 2048 else 128
+    block = 256 if E >= 1024 else 128
     h, a = kernel(
         inputs=[x, m, w.astype(mx.float32)],
         template=[("T", x.dtype), ("E", E), ("BLOCK", block)],

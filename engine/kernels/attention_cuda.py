@@ -15,8 +15,8 @@ that dwarfs its work at small batch, so here:
    exactly what the pool will store, as on the portable path);
 2. `attend`: a block per (row, position, query head) attends to the row's past
    keys below its start and the row's new keys up to its own position (online
-   softmax over warps), applies the sigmoid gate and writes the packed input of
-   the output projection.
+   softmax over warps, each loading a few keys at once), applies the sigmoid gate
+   and writes the packed input of the output projection.
 
 Numerics: f32 arithmetic throughout; tests compare with the portable path.
 """
@@ -101,24 +101,41 @@ _ATTEND = """
         q[e] = static_cast<float>(q_in[(n * H + h) * D + lane + 32 * e]) * SCALE;
         o[e] = 0.0f;
     }
+    // Each warp takes U keys at a time: their K and V rows are loaded together, so a warp
+    // waits on memory once per U keys, not twice per key.
     float m = -1e30f, l = 0.0f;
-    for (int j = w; j <= start + t; j += NW) {
-        const long at = j < start ? ((long(b) * S + j) * HKV + kvh) * D
-                                  : (long(pad_index[b * T + j - start]) * HKV + kvh) * D;
-        const auto* ks = j < start ? k_past : k_new;
-        const auto* vs = j < start ? v_past : v_new;
-        float s = 0.0f;
+    const int last = start + t;
+    for (int j0 = w * U; j0 <= last; j0 += NW * U) {
+        float kf[U][PER], vf[U][PER];
         #pragma unroll
-        for (int e = 0; e < PER; ++e) s += q[e] * static_cast<float>(ks[at + lane + 32 * e]);
+        for (int u = 0; u < U; ++u) {
+            const int j = j0 + u;
+            if (j > last) break;
+            const long at = j < start ? ((long(b) * S + j) * HKV + kvh) * D
+                                      : (long(pad_index[b * T + j - start]) * HKV + kvh) * D;
+            const auto* ks = j < start ? k_past : k_new;
+            const auto* vs = j < start ? v_past : v_new;
+            #pragma unroll
+            for (int e = 0; e < PER; ++e) {
+                kf[u][e] = static_cast<float>(ks[at + lane + 32 * e]);
+                vf[u][e] = static_cast<float>(vs[at + lane + 32 * e]);
+            }
+        }
         #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
-        const float m2 = fmaxf(m, s);
-        const float keep = expf(m - m2), p = expf(s - m2);
-        l = l * keep + p;
-        #pragma unroll
-        for (int e = 0; e < PER; ++e)
-            o[e] = o[e] * keep + p * static_cast<float>(vs[at + lane + 32 * e]);
-        m = m2;
+        for (int u = 0; u < U; ++u) {
+            if (j0 + u > last) break;
+            float s = 0.0f;
+            #pragma unroll
+            for (int e = 0; e < PER; ++e) s += q[e] * kf[u][e];
+            #pragma unroll
+            for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
+            const float m2 = fmaxf(m, s);
+            const float keep = expf(m - m2), p = expf(s - m2);
+            l = l * keep + p;
+            #pragma unroll
+            for (int e = 0; e < PER; ++e) o[e] = o[e] * keep + p * vf[u][e];
+            m = m2;
+        }
     }
     if (lane == 0) { part_m[w] = m; part_l[w] = l; }
     #pragma unroll
@@ -222,10 +239,10 @@ def attention_cuda(
         ["out"],
         f"    constexpr float SCALE = {scale!r}f;\n" + _ATTEND,
     )
-    block = 128
+    block = 256
     (out,) = attend(
         inputs=[proj, q, k, v, k_past, v_past, pad_index, row_starts, row_lengths],
-        template=[*common, ("BLOCK", block)],
+        template=[*common, ("BLOCK", block), ("U", 4)],
         grid=(B * T * n_heads * block, 1, 1),
         threadgroup=(block, 1, 1),
         output_shapes=[(N, n_heads * D)],

@@ -8,9 +8,9 @@ small batch each costs a fixed launch overhead that dwarfs its work, so on
 MLX's CUDA backend they run here as one kernel that reads the packed output of
 the fused input projection as it is and writes the packed input of the output
 projection: a block per (row, value head); its warps hold the head's state rows
-in registers, recompute the short conv for the channels they need from the conv
-state and the new inputs, and normalise the head's output through shared
-memory. The blocks also write each row's new conv state (its last Kc-1 inputs).
+in registers, its threads recompute the short conv of the channels the head reads
+(one channel each, from the conv state and the new inputs, into shared memory),
+and it normalises the head's output through shared memory. The blocks also write each row's new conv state (its last Kc-1 inputs).
 
 Capture rows (speculative verify runs) run in the same launch: their blocks also
 write the recurrent state before the row and after each of its positions, and the
@@ -47,6 +47,8 @@ _SOURCE = """
     const int col_b = BA_FUSED ? OFF_BA + (h / R) * 2 * R + (h % R) : OFF_BA + h;
     const int col_a = BA_FUSED ? col_b + R : OFF_BA + HV + h;
     __shared__ float o_sh[DV];
+    __shared__ float qk_sh[2 * DK];  // this position's conv outputs: the key head's q and k
+    __shared__ float v_sh[DV];  // and the value head's v
 
     auto win = [&](int ch, int pos) -> float {  // window = [conv state, the row's inputs]
         return pos < KC - 1
@@ -87,13 +89,21 @@ _SOURCE = """
 /*CAPTURE_STATE_0*/
     for (int t = 0; t < n_b; ++t) {
         const long row = pad_index[b * T + t];
+        // The conv of every channel this head reads, one channel a thread, in parallel.
+        for (int c = threadIdx.x; c < 2 * DK + DV; c += blockDim.x) {
+            const int ch = c < DK ? kh * DK + c
+                : c < 2 * DK ? CQ + kh * DK + (c - DK) : 2 * CQ + h * DV + (c - 2 * DK);
+            const float val = conv(ch, t);
+            if (c < 2 * DK) qk_sh[c] = val; else v_sh[c - 2 * DK] = val;
+        }
+        __syncthreads();
         float qv[NPER], kv[NPER];
         float qss = 0.0f, kss = 0.0f;
         #pragma unroll
         for (int m = 0; m < NPER; ++m) {
             const int j = lane + 32 * m;
-            qv[m] = j < DK ? conv(kh * DK + j, t) : 0.0f;
-            kv[m] = j < DK ? conv(CQ + kh * DK + j, t) : 0.0f;
+            qv[m] = j < DK ? qk_sh[j] : 0.0f;
+            kv[m] = j < DK ? qk_sh[DK + j] : 0.0f;
             qss += qv[m] * qv[m];
             kss += kv[m] * kv[m];
         }
@@ -107,7 +117,7 @@ _SOURCE = """
         #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             const int i = w + NW * r;
-            const float vi = conv(2 * CQ + h * DV + i, t);
+            const float vi = v_sh[i];
             float u = 0.0f;
             #pragma unroll
             for (int m = 0; m < NPER; ++m) {
