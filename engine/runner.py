@@ -135,6 +135,9 @@ class ModelRunner:
         self._compiled: OrderedDict[tuple[object, ...], Callable[..., Any]] = OrderedDict()
         self.last_host_s = 0.0
         self.last_tokens = 0  # tokens of the last step, all rows together
+        # Batch shapes compiled so far: a step or draft that met a new shape also traced and
+        # compiled it (tens to hundreds of ms), so its time says nothing of a steady step.
+        self.graphs_made = 0
 
     def step(self, batch: Sequence[Row]) -> StepOutput:
         t0 = time.perf_counter()
@@ -230,6 +233,7 @@ class ModelRunner:
             return model.logits(h).astype(mx.float32), h, new, flat, t
 
         fn = mx.compile(forward) if self.compile else forward
+        self.graphs_made += self.compile
         self._compiled[key] = fn
         if len(self._compiled) > self.MAX_FORWARDS:
             self._compiled.popitem(last=False)
@@ -253,6 +257,7 @@ class ModelRunner:
             return logits.astype(mx.float32), h, new.k, new.v
 
         fn = mx.compile(draft) if self.compile else draft
+        self.graphs_made += self.compile
         self._compiled[key] = fn
         if len(self._compiled) > self.MAX_FORWARDS:
             self._compiled.popitem(last=False)

@@ -40,8 +40,11 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [[int(t) for t in rng.integers(0, 512, 3 + i % 4)] * 3 for i in range(n)]
 
 
-def speculator(model: Model, drafters: str, n_slots: int, context: int = 128) -> Speculator:
-    runner = ModelRunner(model, SlotPool(model.config, n_slots, context, mx.float32, max_draft=K))
+def speculator(
+    model: Model, drafters: str, n_slots: int, context: int = 128, compile: bool = False
+) -> Speculator:
+    pool = SlotPool(model.config, n_slots, context, mx.float32, max_draft=K)
+    runner = ModelRunner(model, pool, compile=compile)
     chosen: list[Drafter] = []
     if "ngram" in drafters:
         chosen.append(NgramDrafter())
@@ -280,3 +283,25 @@ def test_a_drafter_catching_up_on_its_backlog_is_not_timed(model: Model) -> None
     # every step drafts ("on") until the last, which has no room left; the first one
     # caught up on the prompt and is the one not timed
     assert len(timed) == steps - 1 and timed[0] > 0 and timed[-1] == 0
+
+
+def test_a_cycle_that_compiled_a_new_batch_shape_is_not_timed(model: Model) -> None:
+    """With compiled steps, the first step of every batch shape (the verify width, the MTP
+    row's) traces and compiles it: such a cycle times the compiler, so the controller must
+    not see it; the same request again meets only known shapes, and every steady cycle is
+    timed."""
+    spec = speculator(model, "mtp", 1, compile=True)
+    timed: list[int] = []
+    observe = spec.controller.observe_step
+    spec.controller.observe_step = lambda w, depth, s: (timed.append(depth), observe(w, depth, s))  # type: ignore[method-assign]
+    prompt = list(range(1, 21))
+    first = generate(spec, [Request(prompt, 8, GREEDY, speculation="on")])
+    made = spec.runner.graphs_made
+    untimed_first = first.stats[0].steps - len(timed)
+    timed.clear()
+    second = generate(spec, [Request(prompt, 8, GREEDY, speculation="on")])
+    assert second.tokens == first.tokens
+    assert spec.runner.graphs_made == made  # no new shapes the second time
+    # the second run leaves out only the catch-up step; the first also its compiling ones
+    assert len(timed) == second.stats[0].steps - 1
+    assert untimed_first > 1

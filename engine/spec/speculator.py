@@ -195,6 +195,7 @@ class Speculator:
         # Plain steps per slot not yet in its SpecStats: counted for a whole step at once
         self._plain_steps = np.zeros(runner.pool.n_slots, dtype=np.int64)
         self._cycle: tuple[float, int, int] | None = None  # start, row tokens, depth
+        self._graphs_at_plan = 0  # the runner's `graphs_made` when the cycle was planned
 
     # -- a slot's life -------------------------------------------------------------------
     def prefill_row(
@@ -273,6 +274,7 @@ class Speculator:
     def plan(self, decoding: Sequence[DecodingSlot]) -> list[Row]:
         """One row per decoding slot, in order: `[pending, *drafts]` at the slot's length."""
         start = time.perf_counter()
+        self._graphs_at_plan = self.runner.graphs_made
         pool_lengths = self.runner.pool.lengths
         lengths = [pool_lengths[d.slot] for d in decoding]
         if not self.max_draft:  # nothing may draft (and no drafter has begun a slot)
@@ -451,7 +453,9 @@ class Speculator:
             return
         start, tokens, depth = self._cycle
         self._cycle = None
-        if self.runner.last_tokens == tokens:
+        # A cycle that compiled a new batch shape (its drafts' or its step's) timed MLX's
+        # compiler, not the step: not observed.
+        if self.runner.last_tokens == tokens and self.runner.graphs_made == self._graphs_at_plan:
             self.controller.observe_step(width, depth, time.perf_counter() - start)
 
 
