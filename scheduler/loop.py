@@ -377,6 +377,17 @@ class Scheduler:
             )
             self._take(seq, [token], logprobs)
         unpublished = self._unpublished
+        if result.plain_logprobs is None:  # a plain step: one token each, the common case
+            for seq, token in zip(result.plain, result.plain_tokens, strict=True):
+                if seq.ending is None and seq.phase is not Phase.DONE:  # seq.live, inlined
+                    seq.commit_plain(token)
+                    unpublished.append(seq)
+        else:
+            plain = zip(result.plain, result.plain_tokens, result.plain_logprobs, strict=True)
+            for seq, token, logprobs in plain:
+                if seq.live:
+                    seq.commit_plain(token, logprobs)
+                    unpublished.append(seq)
         for seq, committed, logprobs in result.decoded:
             if seq.ending is None and seq.phase is not Phase.DONE:  # seq.live, inlined
                 if committed.drafted:

@@ -126,6 +126,26 @@ class Sequence:
             decoding.pending = kept[-1]
             decoding.remaining = room - len(kept)
 
+    def commit_plain(self, token: int, logprobs: list[TokenLogprob] | None = None) -> None:
+        """A step without drafts committed `token`: count the plain step and `commit` it
+        (without its general machinery when the token neither stops nor fills the room)."""
+        self.plain_steps += 1
+        decoding = self.decoding
+        room = self.prepared.max_tokens - len(self.output) - len(self._unpublished)
+        if (
+            logprobs
+            or decoding is None
+            or room <= 1
+            or self.ending is not None
+            or token in self.prepared.stop_ids
+        ):
+            self.commit([token], logprobs or [])
+            return
+        self._unpublished.append(token)
+        decoding.history.append(token)
+        decoding.pending = token
+        decoding.remaining = room - 1
+
     def take_delta(self, now: float, final: bool = False) -> Delta | None:
         """The committed, unpublished tokens as a Delta (None if there is nothing new).
 
