@@ -408,8 +408,9 @@ class Scheduler:
         now = time.monotonic()
         todo, self._unpublished = self._unpublished, []
         generated = 0
+        done = Phase.DONE  # (a local: looked up once per step, not per request)
         for seq in todo:
-            if seq.phase is Phase.DONE:
+            if seq.phase is done:
                 continue
             try:
                 delta = seq.take_delta(now)
@@ -418,12 +419,13 @@ class Scheduler:
                 continue
             if delta is not None:
                 generated += len(delta.token_ids)  # (what `_deliver` counts, in one add)
-            if delta is not None and not seq.events.emit(delta):
-                # The consumer closed its handle, or its sink failed.
-                failure = seq.events.failure
-                reason = FinishReason.CANCELLED if failure is None else FinishReason.ERROR
-                self._finish(seq, reason, failure)
-            elif seq.ending is not None:
+                if not seq.events.emit(delta):
+                    # The consumer closed its handle, or its sink failed.
+                    failure = seq.events.failure
+                    reason = FinishReason.CANCELLED if failure is None else FinishReason.ERROR
+                    self._finish(seq, reason, failure)
+                    continue
+            if seq.ending is not None:
                 self._finish(seq, seq.ending)
         self._counters.generated_tokens += generated
         self._counters.times.publish_s += time.perf_counter() - t0

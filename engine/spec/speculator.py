@@ -61,7 +61,8 @@ class SpecError(ValueError):
     """The speculator was driven out of order (e.g. resolve without plan); nothing changed."""
 
 
-@dataclass(eq=False)  # a slot's live state: equal only to itself (and cheap to look for)
+# A slot's live state: equal only to itself (cheap to look for); slots: read per step
+@dataclass(eq=False, slots=True)
 class DecodingSlot:
     """One slot that decodes this step.
 
