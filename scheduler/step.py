@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import mlx.core as mx
@@ -191,7 +192,7 @@ class Stepper:
         except Exception as e:
             result.failed += [(s, _describe(e)) for s in decoding]
             decoding, states, rows = [], [], []
-        budget = plan.token_budget - sum(len(r.tokens) for r in rows)
+        budget = plan.token_budget - sum(map(len, map(_tokens_of, rows)))
         chunks = prefill_chunks(prefilling, budget, plan.max_chunk)
         entries = [(c.seq, self._prefill_row(c)) for c in chunks]
         entries += list(zip(decoding, rows, strict=True))
@@ -384,13 +385,19 @@ def _finite_rows(rows: list[RowOutput]) -> list[bool]:
     """
     if not rows:
         return []
-    shared = {id(o.packed[0]): o.packed[0] for o in rows if o.packed is not None}
+    packs = list(map(_packed_of, rows))
+    arrays = list(map(_first, filter(None, packs)))  # (C loops: this runs for every row)
+    shared = dict(zip(map(id, arrays), arrays, strict=True))
     sums: dict[int, Any]
     if on_host():
         sums = {key: np.isfinite(np.asarray(a)).all(-1) for key, a in shared.items()}
     else:
         sums = {key: mx.isfinite(a.sum(-1)) for key, a in shared.items()}
-    own = [mx.isfinite(o.logits.sum()) for o in rows if o.packed is None]
+    own = (
+        []
+        if len(arrays) == len(rows)
+        else [mx.isfinite(o.logits.sum()) for o in rows if o.packed is None]
+    )
     mx.eval([s for s in sums.values() if isinstance(s, mx.array)], own)
     if not own and not any(np.any(~np.asarray(ok)) for ok in sums.values()):
         return [True] * len(rows)  # the common case, with no walk over the rows
@@ -408,6 +415,9 @@ def _finite_rows(rows: list[RowOutput]) -> list[bool]:
             bad = bad_before[id(logits)]
             out.append(bad[at + n] == bad[at])
     return out
+
+
+_packed_of, _tokens_of, _first = attrgetter("packed"), attrgetter("tokens"), itemgetter(0)
 
 
 def _decodings(seqs: list[Seq]) -> list[DecodingSlot]:
