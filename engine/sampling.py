@@ -57,6 +57,12 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
         )
 
+    @functools.cached_property
+    def argmax_only(self) -> bool:
+        """The token is the argmax of the model's own logits and nothing else is asked:
+        greedy, no penalty, no logit bias, no log-probabilities."""
+        return self.greedy and not self.penalized and not self.logit_bias and not self.logprobs
+
     def validate(self, vocab_size: int) -> None:
         checks = [
             (0.0 <= self.temperature <= 100.0, "temperature must be in [0, 100]"),

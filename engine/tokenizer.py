@@ -370,6 +370,8 @@ class IncrementalDetokenizer:
     `tokenizer.decode(ids, skip_special)`. Constant work per token.
     """
 
+    __slots__ = ("_holding", "_skip_special", "_texts", "_tokenizer", "_utf8")  # (read per token)
+
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = False) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special

@@ -377,6 +377,17 @@ class Scheduler:
             )
             self._take(seq, [token], logprobs)
         unpublished = self._unpublished
+        if result.plain_logprobs is None:  # a plain step: one token each, the common case
+            for seq, token in zip(result.plain, result.plain_tokens, strict=True):
+                if seq.ending is None and seq.phase is not Phase.DONE:  # seq.live, inlined
+                    seq.commit_plain(token)
+                    unpublished.append(seq)
+        else:
+            plain = zip(result.plain, result.plain_tokens, result.plain_logprobs, strict=True)
+            for seq, token, logprobs in plain:
+                if seq.live:
+                    seq.commit_plain(token, logprobs)
+                    unpublished.append(seq)
         for seq, committed, logprobs in result.decoded:
             if seq.ending is None and seq.phase is not Phase.DONE:  # seq.live, inlined
                 if committed.drafted:
@@ -397,8 +408,9 @@ class Scheduler:
         now = time.monotonic()
         todo, self._unpublished = self._unpublished, []
         generated = 0
+        done = Phase.DONE  # (a local: looked up once per step, not per request)
         for seq in todo:
-            if seq.phase is Phase.DONE:
+            if seq.phase is done:
                 continue
             try:
                 delta = seq.take_delta(now)
@@ -407,12 +419,13 @@ class Scheduler:
                 continue
             if delta is not None:
                 generated += len(delta.token_ids)  # (what `_deliver` counts, in one add)
-            if delta is not None and not seq.events.emit(delta):
-                # The consumer closed its handle, or its sink failed.
-                failure = seq.events.failure
-                reason = FinishReason.CANCELLED if failure is None else FinishReason.ERROR
-                self._finish(seq, reason, failure)
-            elif seq.ending is not None:
+                if not seq.events.emit(delta):
+                    # The consumer closed its handle, or its sink failed.
+                    failure = seq.events.failure
+                    reason = FinishReason.CANCELLED if failure is None else FinishReason.ERROR
+                    self._finish(seq, reason, failure)
+                    continue
+            if seq.ending is not None:
                 self._finish(seq, seq.ending)
         self._counters.generated_tokens += generated
         self._counters.times.publish_s += time.perf_counter() - t0

@@ -21,7 +21,7 @@ from engine.cache import SlotId
 from engine.sampling import RequestRng
 from engine.spec.speculator import DecodingSlot
 from engine.spec.speculator import SpecStats as SpecRecord
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from scheduler.handle import Outlet
 from scheduler.outcome import (
     Delta,
@@ -35,6 +35,8 @@ from scheduler.outcome import (
 from scheduler.request import Prepared
 from scheduler.stop import StopMatcher
 
+_new_tuple = tuple.__new__
+
 if TYPE_CHECKING:
     from scheduler.prefix_cache import CachedPrefix
     from scheduler.prefix_reuse import SlotImage
@@ -47,7 +49,7 @@ class Phase(Enum):
     DONE = auto()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # (slots: a step reads a dozen attributes of every sequence)
 class Sequence:
     prepared: Prepared
     events: Outlet  # where its Deltas and its Finished go
@@ -76,11 +78,19 @@ class Sequence:
     images: list[SlotImage] = field(default_factory=list)
     _unpublished: list[int] = field(default_factory=list)
     _logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Set from the above when made (read per step: attributes of their own, not chains)
+    id: str = field(init=False)
+    stop_ids: frozenset[int] = field(init=False)
+    detok: IncrementalDetokenizer = field(init=False)
+    stops: StopMatcher = field(init=False)
+    stop_strings: bool = field(init=False)  # there are stop strings to look for
 
     def __post_init__(self) -> None:
-        self.id = self.prepared.request_id  # (read per step: an attribute, not a property)
+        self.id = self.prepared.request_id
+        self.stop_ids = self.prepared.stop_ids
         self.detok = self.tokenizer.detokenizer()
         self.stops = StopMatcher(self.prepared.request.stop)
+        self.stop_strings = self.stops.active
 
     @property
     def prompt(self) -> list[int]:
@@ -108,7 +118,7 @@ class Sequence:
         Speculator from drafting past max_tokens)."""
         room = max(0, self.prepared.max_tokens - len(self.output) - len(self._unpublished))
         kept = tokens[:room] if len(tokens) > room else tokens
-        stop_ids = self.prepared.stop_ids
+        stop_ids = self.stop_ids
         if stop_ids and not stop_ids.isdisjoint(kept):
             for i, t in enumerate(kept):
                 if t in stop_ids:
@@ -126,6 +136,26 @@ class Sequence:
             decoding.pending = kept[-1]
             decoding.remaining = room - len(kept)
 
+    def commit_plain(self, token: int, logprobs: list[TokenLogprob] | None = None) -> None:
+        """A step without drafts committed `token`: count the plain step and `commit` it
+        (without its general machinery when the token neither stops nor fills the room)."""
+        self.plain_steps += 1
+        decoding = self.decoding
+        room = self.prepared.max_tokens - len(self.output) - len(self._unpublished)
+        if (
+            logprobs
+            or decoding is None
+            or room <= 1
+            or self.ending is not None
+            or token in self.stop_ids
+        ):
+            self.commit([token], logprobs or [])
+            return
+        self._unpublished.append(token)
+        decoding.history.append(token)
+        decoding.pending = token
+        decoding.remaining = room - 1
+
     def take_delta(self, now: float, final: bool = False) -> Delta | None:
         """The committed, unpublished tokens as a Delta (None if there is nothing new).
 
@@ -135,33 +165,35 @@ class Sequence:
         held-back text is released.
         """
         tokens, lps = self._unpublished, self._logprobs
-        if final or self.ending is not None or self.stops.active:
+        if final or self.ending is not None or self.stop_strings:
             tokens, text = self._text_at_end_or_stops(tokens, final)
             lps = lps[: len(tokens)]
         elif tokens:  # the common case: the text is the tokens' text
-            text = self.detok.push_all(tokens, self.prepared.stop_ids)
+            text = self.detok.push_all(tokens, self.stop_ids)
         else:
             return None
         self._unpublished = []
         if self._logprobs:
             self._logprobs = []
         if tokens:
-            if self.first_token_at is None:
+            last = self.last_token_at
+            if last is None:
                 self.first_token_at = now
-            elif self.last_token_at is not None and now - self.last_token_at > self.itl_max_s:
-                self.itl_max_s = now - self.last_token_at
+            elif now - last > self.itl_max_s:
+                self.itl_max_s = now - last
             self.last_token_at = now
             self.output += tokens
         elif not text:
             return None
-        return Delta(self.id, tuple(tokens), text, tuple(lps))
+        # (the NamedTuple's own __new__ is Python code; this builds the same tuple in C)
+        return _new_tuple(Delta, (self.id, tuple(tokens), text, tuple(lps) if lps else ()))
 
     def _text_at_end_or_stops(self, tokens: list[int], final: bool) -> tuple[list[int], str]:
         """`take_delta` with stop strings to look for, or at the end: (the tokens kept, text)."""
-        stop_ids, push = self.prepared.stop_ids, self.detok.push
+        stop_ids, push = self.stop_ids, self.detok.push
         text: list[str] = []
         n = len(tokens)
-        if not self.stops.active:
+        if not self.stop_strings:
             text.append(self.detok.push_all(tokens, stop_ids))
         else:
             for i, t in enumerate(tokens):

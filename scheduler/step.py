@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import mlx.core as mx
@@ -38,6 +39,7 @@ from engine.spec.controller import CostController
 from engine.spec.speculator import (
     Committed,
     DecodingSlot,
+    PlainStep,
     SpecStats,
     Speculator,
     StatsBySlot,
@@ -87,6 +89,12 @@ class StepResult:
     chunks: list[Chunk] = field(default_factory=list)
     first: list[tuple[Seq, int, list[TokenLogprob]]] = field(default_factory=list)
     decoded: list[tuple[Seq, Committed, list[TokenLogprob]]] = field(default_factory=list)
+    # A step without drafts decodes one token per sequence: `plain[i]` committed
+    # `plain_tokens[i]` (and `plain_logprobs[i]` when any of them asked for log-probabilities),
+    # with no object per sequence. A step has these or `decoded`, never both.
+    plain: list[Seq] = field(default_factory=list)
+    plain_tokens: list[int] = field(default_factory=list)
+    plain_logprobs: list[list[TokenLogprob]] | None = None
     failed: list[tuple[Seq, str]] = field(default_factory=list)
     images: list[tuple[Seq, SlotImage]] = field(default_factory=list)  # at snapshot boundaries
     final_images: list[tuple[Seq, SlotImage]] = field(default_factory=list)  # of `plan.snapshot`
@@ -179,11 +187,12 @@ class Stepper:
         t0 = time.perf_counter()
         decoding = list(plan.decoding)
         try:
-            rows = self.speculator.plan(_decodings(decoding))
+            states = _decodings(decoding)
+            rows = self.speculator.plan(states)
         except Exception as e:
             result.failed += [(s, _describe(e)) for s in decoding]
-            decoding, rows = [], []
-        budget = plan.token_budget - sum(len(r.tokens) for r in rows)
+            decoding, states, rows = [], [], []
+        budget = plan.token_budget - sum(map(len, map(_tokens_of, rows)))
         chunks = prefill_chunks(prefilling, budget, plan.max_chunk)
         entries = [(c.seq, self._prefill_row(c)) for c in chunks]
         entries += list(zip(decoding, rows, strict=True))
@@ -206,10 +215,15 @@ class Stepper:
         done = [(c.seq, outputs[i]) for i, c in enumerate(chunks) if i in outputs and c.completes]
         base = len(chunks)
         if len(outputs) == len(entries):  # every row ran (outputs are in entry order)
-            self._resolve(decoding, list(outputs.values())[base:], result)
+            self._resolve(decoding, states, list(outputs.values())[base:], result)
         else:
             ok = [i for i in range(len(decoding)) if base + i in outputs]
-            self._resolve([decoding[i] for i in ok], [outputs[base + i] for i in ok], result)
+            self._resolve(
+                [decoding[i] for i in ok],
+                [states[i] for i in ok],
+                [outputs[base + i] for i in ok],
+                result,
+            )
         self._sample_first(done, result)
         result.sample_s = time.perf_counter() - t2
 
@@ -291,12 +305,28 @@ class Stepper:
                 result.failed.append((seq, "numerical fault: the model gave non-finite logits"))
         return outputs
 
-    def _resolve(self, seqs: list[Seq], outputs: list[RowOutput], result: StepResult) -> None:
+    def _resolve(
+        self,
+        seqs: list[Seq],
+        states: list[DecodingSlot],
+        outputs: list[RowOutput],
+        result: StepResult,
+    ) -> None:
+        """The decode rows' tokens (`states[i]` is `seqs[i].decoding`) into `result`."""
         if not seqs:
             return
         try:
-            committed = self.speculator.resolve(_decodings(seqs), outputs)
-            for seq, c in zip(seqs, committed, strict=True):
+            resolved = self.speculator.resolve_step(states, outputs)
+            if isinstance(resolved, PlainStep):
+                tokens, adjusted = resolved.tokens, resolved.adjusted
+                logprobs: list[list[TokenLogprob]] | None = None
+                if resolved.logprob_rows:
+                    logprobs = [[] for _ in seqs]
+                    for i in resolved.logprob_rows:
+                        logprobs[i] = _logprobs([adjusted[i]], [tokens[i]], seqs[i])
+                result.plain, result.plain_tokens, result.plain_logprobs = seqs, tokens, logprobs
+                return
+            for seq, c in zip(seqs, resolved, strict=True):
                 # c.logits are there only when the request asked for log-probabilities
                 result.decoded.append(
                     (seq, c, _logprobs(c.logits, c.tokens, seq) if c.logits else [])
@@ -355,13 +385,19 @@ def _finite_rows(rows: list[RowOutput]) -> list[bool]:
     """
     if not rows:
         return []
-    shared = {id(o.packed[0]): o.packed[0] for o in rows if o.packed is not None}
+    packs = list(map(_packed_of, rows))
+    arrays = list(map(_first, filter(None, packs)))  # (C loops: this runs for every row)
+    shared = dict(zip(map(id, arrays), arrays, strict=True))
     sums: dict[int, Any]
     if on_host():
         sums = {key: np.isfinite(np.asarray(a)).all(-1) for key, a in shared.items()}
     else:
         sums = {key: mx.isfinite(a.sum(-1)) for key, a in shared.items()}
-    own = [mx.isfinite(o.logits.sum()) for o in rows if o.packed is None]
+    own = (
+        []
+        if len(arrays) == len(rows)
+        else [mx.isfinite(o.logits.sum()) for o in rows if o.packed is None]
+    )
     mx.eval([s for s in sums.values() if isinstance(s, mx.array)], own)
     if not own and not any(np.any(~np.asarray(ok)) for ok in sums.values()):
         return [True] * len(rows)  # the common case, with no walk over the rows
@@ -379,6 +415,9 @@ def _finite_rows(rows: list[RowOutput]) -> list[bool]:
             bad = bad_before[id(logits)]
             out.append(bad[at + n] == bad[at])
     return out
+
+
+_packed_of, _tokens_of, _first = attrgetter("packed"), attrgetter("tokens"), itemgetter(0)
 
 
 def _decodings(seqs: list[Seq]) -> list[DecodingSlot]:

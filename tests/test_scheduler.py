@@ -10,7 +10,7 @@ import dataclasses
 import itertools
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from threading import get_ident
 from typing import Any
@@ -24,9 +24,9 @@ from engine.cache import SlotPool
 from engine.generate import greedy_tokens
 from engine.gguf import GGUFFile
 from engine.models.qwen35 import Model, load_model
-from engine.runner import BatchError, ModelRunner
+from engine.runner import BatchError, ModelRunner, RowOutput
 from engine.sampling import SamplingParams
-from engine.spec.speculator import Speculator
+from engine.spec.speculator import Committed, DecodingSlot, PlainStep, Speculator
 from engine.tokenizer import Tokenizer
 from scheduler import (
     Completion,
@@ -182,6 +182,51 @@ async def test_32_staggered_requests_complete_and_each_matches_its_solo_run(
         assert all(len(x.top) == n and x.logprob <= x.top[0][1] + 1e-6 for x in got.logprobs)
     if speculate:
         assert sum(r.finished.spec.verify_steps for r in results.values()) > 0
+
+
+class CommittedSpeculator(Speculator):
+    """The general path for every step: `resolve_step` answers with a `Committed` per slot
+    (as `resolve` does), never with a `PlainStep`."""
+
+    def resolve_step(
+        self, decoding: Sequence[DecodingSlot], outputs: Sequence[RowOutput]
+    ) -> PlainStep | list[Committed]:
+        resolved = super().resolve_step(decoding, outputs)
+        return resolved.committed() if isinstance(resolved, PlainStep) else resolved
+
+
+async def test_plain_steps_stream_what_the_general_commit_path_streams(
+    model: Model, tokenizer: Tokenizer
+) -> None:
+    """A plain step is committed from one list of tokens (`PlainStep`); the general path
+    goes through a `Committed` per slot. The same mixed requests (greedy, penalized, biased
+    with log-probabilities, seeded sampling, stop strings, max_tokens, eos) stream the same
+    tokens, text and log-probabilities and end the same way either way."""
+    requests = mixed_requests(24, seed=8)
+
+    async def run(kind: type[Speculator]) -> list[Completion]:
+        pool = SlotPool(model.config, 8, CONTEXT, kv_dtype=mx.float32)
+        runner = ModelRunner(model, pool)
+        config = SchedulerConfig(max_batch_tokens=96, max_prefill_chunk=32)
+        scheduler = Scheduler(runner, tokenizer, config, kind(runner))
+        async with scheduler.running():
+            handles = [scheduler.submit(r) for r in requests]
+            got = [completion(await events_of(h)) for h in handles]
+        assert pool.free_slots == pool.n_slots
+        return got
+
+    fast, general = await run(Speculator), await run(CommittedSpeculator)
+    for a, b in zip(fast, general, strict=True):
+        assert (a.token_ids, a.text, a.logprobs) == (b.token_ids, b.text, b.logprobs)
+        end_a, end_b = a.finished, b.finished
+        assert (end_a.reason, end_a.matched_stop, end_a.usage, end_a.spec) == (
+            end_b.reason,
+            end_b.matched_stop,
+            end_b.usage,
+            end_b.spec,
+        )
+    assert {a.finished.reason for a in fast} == {FinishReason.STOP, FinishReason.LENGTH}
+    assert any(a.logprobs for a in fast)
 
 
 async def test_greedy_output_equals_plain_greedy_decoding(

@@ -1,4 +1,5 @@
-"""The scheduler's pieces on their own: stop strings, the wait queue, request validation."""
+"""The scheduler's pieces on their own: stop strings, the wait queue, request validation,
+a sequence's commit of a plain step."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.cache import SlotId
 from engine.gguf import GGUFFile
-from engine.sampling import SamplingParams
+from engine.sampling import RequestRng, SamplingParams
+from engine.spec.speculator import DecodingSlot
 from engine.tokenizer import Tokenizer
+from scheduler.handle import StreamOutlet
+from scheduler.outcome import FinishReason
 from scheduler.queue import Policy, Rejected, RejectReason, WaitQueue
 from scheduler.request import (
     EmptyPrompt,
@@ -24,6 +29,7 @@ from scheduler.request import (
     UnknownTokenId,
     prepare,
 )
+from scheduler.sequence import Phase, Sequence
 from scheduler.stop import StopMatcher
 
 # -- stop strings -------------------------------------------------------------------------------
@@ -183,3 +189,73 @@ def test_non_finite_logits_mark_only_their_rows_packed_or_not() -> None:
         RowOutput(logits=mx.array([[1.0, 2.0]])),
     ]
     assert _finite_rows(rows) == [True, False, True, False, True]
+
+
+# -- a plain step's commit ------------------------------------------------------------------------
+
+
+def _decoding_sequence(tokenizer: Tokenizer, request: Request, first: int) -> Sequence:
+    """A sequence as the loop leaves it after its first token: decoding from slot 0."""
+    prepared = prepare(request, "r", tokenizer, VOCAB, CONTEXT)
+    seq = Sequence(prepared, StreamOutlet(), tokenizer, 0.0, 0, RequestRng(1))
+    seq.phase = Phase.DECODE
+    seq.decoding = DecodingSlot(
+        SlotId(0), first, list(prepared.prompt), request.sampling, seq.rng, "off"
+    )
+    seq.commit([first], [])
+    return seq
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=30),
+    max_tokens=st.integers(1, 20),
+    stops=st.lists(st.sampled_from(["e", "he", " s", "!\n", "string"]), max_size=2),
+    stop_ids=st.lists(st.integers(0, VOCAB - 1), max_size=2),
+    ignore_eos=st.booleans(),
+    publish_every=st.integers(1, 4),
+)
+def test_commit_plain_streams_exactly_what_the_general_commit_does(
+    tokenizer: Tokenizer,
+    tokens: list[int],
+    max_tokens: int,
+    stops: list[str],
+    stop_ids: list[int],
+    ignore_eos: bool,
+    publish_every: int,
+) -> None:
+    """A plain step commits with `commit_plain`; the general path is `commit` with the step
+    counted by hand. Fed the same tokens and published at the same steps, both give the
+    same Deltas (tokens, text), the same end and the same decode state."""
+    request = Request(
+        prompt=[1, 2, 3],
+        sampling=SamplingParams(temperature=0.0),
+        max_tokens=max_tokens,
+        stop=tuple(stops),
+        stop_token_ids=tuple(stop_ids),
+        ignore_eos=ignore_eos,
+    )
+    fast, general = (_decoding_sequence(tokenizer, request, tokens[0]) for _ in range(2))
+    streams: tuple[list[object], list[object]] = ([], [])
+    for step, token in enumerate(tokens[1:], 1):
+        if fast.live:
+            fast.commit_plain(token)
+        if general.live:
+            general.plain_steps += 1
+            general.commit([token], [])
+        if step % publish_every == 0:
+            for seq, stream in zip((fast, general), streams, strict=True):
+                stream.append(seq.take_delta(float(step)))
+        assert fast.ending == general.ending
+        assert fast.decoding is not None and general.decoding is not None
+        state = (fast.decoding.history, fast.decoding.pending, fast.decoding.remaining)
+        assert state == (
+            general.decoding.history,
+            general.decoding.pending,
+            general.decoding.remaining,
+        )
+    for seq, stream in zip((fast, general), streams, strict=True):
+        stream.append(seq.take_delta(99.0, final=True))
+        end = seq.finished(FinishReason.LENGTH, 100.0)
+        stream.append((end.reason, end.matched_stop, end.usage, end.spec))
+    assert streams[0] == streams[1]

@@ -22,7 +22,7 @@ from engine.runner import DraftRow, ModelRunner, Row, RowOutput
 from engine.sampling import RequestRng, SamplingParams
 from engine.spec.drafters import Drafter, MTPDrafter, NgramDrafter
 from engine.spec.offline import GREEDY, Request, generate
-from engine.spec.speculator import DecodingSlot, Speculator
+from engine.spec.speculator import DecodingSlot, PlainStep, SpecError, Speculator, sample_rows
 
 K = 4
 N_GEN = 24
@@ -305,3 +305,69 @@ def test_a_cycle_that_compiled_a_new_batch_shape_is_not_timed(model: Model) -> N
     # the second run leaves out only the catch-up step; the first also its compiling ones
     assert len(timed) == second.stats[0].steps - 1
     assert untimed_first > 1
+
+
+def plain_speculator(model: Model, n_slots: int) -> Speculator:
+    """A Speculator that never drafts, over `n_slots` allocated slots 0, 1, ..."""
+    pool = SlotPool(model.config, n_slots, 128, mx.float32)
+    for _ in range(n_slots):
+        pool.allocate()
+    return Speculator(ModelRunner(model, pool))
+
+
+PLAIN_MIXES = {
+    "argmax only": [SamplingParams(temperature=0.0)] * 5,
+    "greedy, one biased": [GREEDY] * 3 + [SamplingParams(temperature=0.0, logit_bias=((7, 50.0),))],
+    "greedy, one penalized": [GREEDY, SamplingParams(temperature=0.0, frequency_penalty=2.0)],
+    "greedy, one with logprobs": [GREEDY, SamplingParams(temperature=0.0, logprobs=4), GREEDY],
+    "mixed": [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=2),
+        SamplingParams(temperature=0.0, logit_bias=((7, 50.0),)),
+        SamplingParams(temperature=1.1, top_k=20, logprobs=3),
+    ],
+}
+
+
+@pytest.mark.parametrize("mix", PLAIN_MIXES.values(), ids=PLAIN_MIXES.keys())
+def test_a_plain_step_samples_every_row_as_sample_rows_does(
+    model: Model, mix: list[SamplingParams]
+) -> None:
+    """A step without drafts resolves to a `PlainStep`: per row the token `sample_rows`
+    gives (penalties over the row's history, its own generator), the adjusted logits of
+    the rows that want log-probabilities, and the same step as `Committed`s."""
+    spec, chosen = plain_speculator(model, len(mix)), prompts(len(mix), 4)
+    runner, slots = spec.runner, list(range(len(mix)))
+    runner.step([Row(SlotId(i), p[:-1], 0) for i, p in zip(slots, chosen, strict=True)])
+    # Histories that penalize most of the vocabulary, unevenly: a penalty moves the argmax.
+    histories = [[*p, *(t for t in range(512) for _ in range(t % 5))] for p in chosen]
+    states = [
+        DecodingSlot(SlotId(i), p[-1], h, params, RequestRng(50 + i))
+        for i, p, h, params in zip(slots, chosen, histories, mix, strict=True)
+    ]
+    outputs = runner.step(spec.plan(states)).rows
+    resolved = spec.resolve_step(states, outputs)
+
+    assert isinstance(resolved, PlainStep)
+    logits = mx.concatenate([o.logits[-1:] for o in outputs])
+    rngs = [RequestRng(50 + i) for i in range(len(mix))]
+    tokens, adjusted = sample_rows(logits, mix, histories, rngs)
+    assert resolved.tokens == tokens
+    assert resolved.logprob_rows == [i for i, p in enumerate(mix) if p.logprobs]
+    for i in resolved.logprob_rows:
+        assert mx.allclose(resolved.adjusted[i], adjusted[i]).item()
+    committed = resolved.committed()
+    assert [c.tokens for c in committed] == [[t] for t in tokens]
+    assert [bool(c.logits) for c in committed] == [p.logprobs > 0 for p in mix]
+    assert {(c.drafted, c.accepted, c.drafter) for c in committed} == {(0, 0, "")}
+
+
+def test_resolving_a_slot_that_was_not_planned_changes_nothing(model: Model) -> None:
+    spec = plain_speculator(model, 2)
+    states = [DecodingSlot(SlotId(i), 5, [1, 5], GREEDY, RequestRng(i)) for i in range(2)]
+    spec.runner.step([Row(SlotId(i), [1], 0) for i in range(2)])
+    outputs = spec.runner.step(spec.plan(states[:1])).rows
+    with pytest.raises(SpecError, match=r"slots \[1\] were not planned"):
+        spec.resolve_step(states[1:], outputs)
+    assert isinstance(spec.resolve_step(states[:1], outputs), PlainStep)  # its plan is still there

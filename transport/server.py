@@ -105,7 +105,7 @@ class ModelInfo:
         return cls(name, pool.max_context, pool.config.n_vocab, eos)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # (slots: each of its requests' Deltas reads it)
 class _Session:
     identity: bytes
     number: int  # unique per session: scheduler request ids are "number/request_id"

@@ -12,7 +12,8 @@ and builds each slot's row: `[pending, *drafts]` with capture when K > 0.
 `resolve` accepts drafts exactly (`acceptance.accept`), rolls rejected positions
 back in the pool, and returns the tokens each slot committed this step (at least
 one each). Slots with different K share the step; the scheduler never samples
-decode tokens itself.
+decode tokens itself. `resolve_step` is the same with a cheaper answer for a step
+without drafts: a `PlainStep` (one token per slot, no per-slot objects).
 
 Around that, three hooks keep drafters with state (the MTP head's KV) in step
 with the trunk: run prefill chunks as `prefill_row(...)` and report them with
@@ -26,14 +27,22 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import NamedTuple
+from operator import attrgetter
+from typing import NamedTuple, cast
 
 import mlx.core as mx
 import numpy as np
 
 from engine.cache import SlotId
 from engine.runner import ModelRunner, Row, RowOutput, last_logits
-from engine.sampling import RequestRng, SamplingParams, adjust_logits, distribution, sample
+from engine.sampling import (
+    RequestRng,
+    SamplingParams,
+    adjust_logits,
+    distribution,
+    greedy_tokens,
+    sample,
+)
 from engine.spec.acceptance import accept
 from engine.spec.controller import MODES, CostController, Offer
 from engine.spec.dflash import DFlashModel
@@ -52,7 +61,8 @@ class SpecError(ValueError):
     """The speculator was driven out of order (e.g. resolve without plan); nothing changed."""
 
 
-@dataclass(eq=False)  # a slot's live state: equal only to itself (and cheap to look for)
+# A slot's live state: equal only to itself (cheap to look for); slots: read per step
+@dataclass(eq=False, slots=True)
 class DecodingSlot:
     """One slot that decodes this step.
 
@@ -70,6 +80,24 @@ class DecodingSlot:
     speculation: str = "auto"  # "off" | "on" | "auto"
     max_draft: int | None = None
     remaining: int | None = None
+
+
+class PlainStep(NamedTuple):
+    """A resolved step without drafts: one token per decoding slot, in order. `adjusted`
+    `[N, V]`: the logits the sampler saw; `logprob_rows`: the rows whose request asks
+    for log-probabilities (the only ones whose `adjusted` row is read)."""
+
+    tokens: list[int]
+    adjusted: mx.array
+    logprob_rows: list[int]
+
+    def committed(self) -> list[Committed]:
+        """The same step as `resolve` gives it: a `Committed` per slot."""
+        wanted = set(self.logprob_rows)
+        return [
+            Committed([t], [self.adjusted[i]] if i in wanted else [])
+            for i, t in enumerate(self.tokens)
+        ]
 
 
 class Committed(NamedTuple):
@@ -136,6 +164,8 @@ class _Plan:
 
 
 _PLAIN = _Plan("", _NO_DRAFT, -1)  # every slot's plan in a step without drafters
+_slot_of = attrgetter("slot")  # (C calls per slot)
+_ARGMAX_ONLY = attrgetter("argmax_only")
 
 
 def default_drafters(runner: ModelRunner, dflash: DFlashModel | None = None) -> list[Drafter]:
@@ -276,16 +306,16 @@ class Speculator:
         start = time.perf_counter()
         self._graphs_at_plan = self.runner.graphs_made
         pool_lengths = self.runner.pool.lengths
-        lengths = [pool_lengths[d.slot] for d in decoding]
         if not self.max_draft:  # nothing may draft (and no drafter has begun a slot)
-            rows = [Row(d.slot, [d.pending], n) for d, n in zip(decoding, lengths, strict=True)]
+            rows = [Row(d.slot, [d.pending], pool_lengths[d.slot]) for d in decoding]
             if self.drafters:  # they may follow the trunk from each plan's length
-                for d, n in zip(decoding, lengths, strict=True):
-                    self._plans[d.slot] = _Plan("", _NO_DRAFT, n)
+                for r in rows:
+                    self._plans[r.slot] = _Plan("", _NO_DRAFT, r.start)
             else:  # no one reads a plain plan's length: one plan serves every slot
-                self._plans.update(zip([d.slot for d in decoding], repeat(_PLAIN)))
+                self._plans.update(zip(map(_slot_of, decoding), repeat(_PLAIN)))
             self._cycle = (start, len(rows), 0)
             return rows
+        lengths = [pool_lengths[d.slot] for d in decoding]
         offers = [self._offer(d, n) for d, n in zip(decoding, lengths, strict=True)]
         depths = self.controller.choose(offers)
         drafts: dict[SlotId, tuple[str, Draft]] = {}
@@ -325,42 +355,59 @@ class Speculator:
         self, decoding: Sequence[DecodingSlot], outputs: Sequence[RowOutput]
     ) -> list[Committed]:
         """Accept, roll back and commit: per slot, in order, the tokens of this step."""
+        resolved = self.resolve_step(decoding, outputs)
+        return resolved.committed() if isinstance(resolved, PlainStep) else resolved
+
+    def resolve_step(
+        self, decoding: Sequence[DecodingSlot], outputs: Sequence[RowOutput]
+    ) -> PlainStep | list[Committed]:
+        """`resolve`, but a step in which no slot drafted comes back as a `PlainStep`: its
+        tokens in one list, with no object per slot (the scheduler's common step)."""
         if len(outputs) != len(decoding):
             raise SpecError(f"{len(outputs)} outputs for {len(decoding)} decoding slots")
-        missing = [d.slot for d in decoding if d.slot not in self._plans]
-        if missing:
+        slots = [d.slot for d in decoding]
+        found = list(map(self._plans.get, slots))
+        if None in found:  # (identity checks: plans compare by identity)
+            missing = [s for s, p in zip(slots, found, strict=True) if p is None]
             raise SpecError(f"slots {missing} were not planned for this step")
         if not decoding:
             return []
-        plans = [self._plans.pop(d.slot) for d in decoding]
+        plans = cast(list[_Plan], found)
+        for slot in slots:
+            del self._plans[slot]
         ks = [] if plans.count(_PLAIN) == len(plans) else [len(p.draft.tokens) for p in plans]
+        resolved: PlainStep | list[Committed]
         if any(ks):
-            committed = self._accept(decoding, plans, outputs, ks)
+            resolved = self._accept(decoding, plans, outputs, ks)
         else:
-            committed = self._plain(decoding, plans, outputs)
+            resolved = self._plain(decoding, slots, plans, outputs)
         self._observe_cycle(len(decoding))
-        return committed
+        return resolved
 
     # -- internals -------------------------------------------------------------------------
     def _plain(
-        self, decoding: Sequence[DecodingSlot], plans: list[_Plan], outputs: Sequence[RowOutput]
-    ) -> list[Committed]:
+        self,
+        decoding: Sequence[DecodingSlot],
+        slots: list[SlotId],
+        plans: list[_Plan],
+        outputs: Sequence[RowOutput],
+    ) -> PlainStep:
         """A step without drafts: one token per slot, sampled (`sample`) with no acceptance.
         The same tokens `_accept` would give for K = 0, at a fraction of its cost."""
         params = [d.params for d in decoding]
-        histories = [d.history if d.params.penalized else () for d in decoding]
         logits = last_logits(outputs)
-        adjusted = adjust_logits(logits, params, histories)
-        tokens = sample(adjusted, params, [d.rng for d in decoding]).tolist()
+        if all(map(_ARGMAX_ONLY, params)):  # what adjust_logits and sample come to then
+            tokens, adjusted, logprob_rows = greedy_tokens(logits).tolist(), logits, []
+        else:  # (adjust_logits reads a history only for a penalized row)
+            adjusted = adjust_logits(logits, params, [d.history for d in decoding])
+            tokens = sample(adjusted, params, [d.rng for d in decoding]).tolist()
+            logprob_rows = [i for i, p in enumerate(params) if p.logprobs]
         if self.drafters:
-            for d, plan, out in zip(decoding, plans, outputs, strict=True):
-                self._commit(d.slot, plan, out, 0, 0)
+            for slot, plan, out in zip(slots, plans, outputs, strict=True):
+                self._commit(slot, plan, out, 0, 0)
         else:  # no drafter observes the trunk: only the slots' steps are counted
-            self._plain_steps[np.fromiter((d.slot for d in decoding), np.intp)] += 1
-        return [
-            Committed([tok], [adjusted[i]] if d.params.logprobs else [], 0, 0, plan.drafter)
-            for i, (d, plan, tok) in enumerate(zip(decoding, plans, tokens, strict=True))
-        ]
+            self._plain_steps[slots] += 1
+        return PlainStep(tokens, adjusted, logprob_rows)
 
     def _accept(
         self,
