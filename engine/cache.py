@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.gguf import ModelConfig
+from engine.kernels import stack_cuda
 from engine.models.batch import AttentionState, Layout, LinearCapture, LinearState
 
 SlotId = NewType("SlotId", int)
@@ -267,10 +268,10 @@ class SlotPool:
         attn = [s for s in new if isinstance(s, AttentionState)]
         lin = [s for s in new if isinstance(s, LinearState)]
         return [
-            mx.stack([layout.to_packed(s.k) for s in attn]),
-            mx.stack([layout.to_packed(s.v) for s in attn]),
-            mx.stack([s.conv for s in lin]),
-            mx.stack([s.ssm for s in lin]),
+            stack_cuda.stack([layout.to_packed(s.k) for s in attn]),
+            stack_cuda.stack([layout.to_packed(s.v) for s in attn]),
+            stack_cuda.stack([s.conv for s in lin]),
+            stack_cuda.stack([s.ssm for s in lin]),
         ]
 
     def commit(

@@ -183,7 +183,9 @@ class ModelRunner:
         mx.eval(logits, hidden, new, captures, tapped_list)
         tapped = tapped_list[0] if tapped_list else None
         self.pool.write(slots, tok_slot, tok_pos, new)
-        mx.eval(self.pool.k, self.pool.v, self.pool.conv, self.pool.ssm)
+        # Queued, not waited for: whatever reads the pool next runs after it on the stream,
+        # and the caller's sampling need not wait for a round trip to the host first.
+        mx.async_eval(self.pool.k, self.pool.v, self.pool.conv, self.pool.ssm)
         self.pool.commit(slots, starts, lengths, _unflatten_captures(self.model, layout, captures))
 
         out, at = StepOutput(), 0
@@ -291,7 +293,7 @@ class ModelRunner:
         mx.eval(logits, h, new.k, new.v)  # before the pool changes, as in `step`
         self.pool.write_mtp(slots, starts, lengths, layout, new)
         assert self.pool.mtp_k is not None and self.pool.mtp_v is not None
-        mx.eval(self.pool.mtp_k, self.pool.mtp_v)
+        mx.async_eval(self.pool.mtp_k, self.pool.mtp_v)
         out, at = [], 0
         for n in lengths:
             out.append((logits[at : at + n], h[at : at + n]))

@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from engine.gated_delta import gated_delta, l2_normalize
 from engine.gguf import GGUFFile, ModelConfig, QuantizedWeight, Weight
-from engine.kernels import add_norm_cuda, attention_cuda, gdn_mixer_cuda
+from engine.kernels import add_norm_cuda, attention_cuda, gdn_mixer_cuda, swiglu_cuda
 from engine.models.batch import AttentionState, LayerState, Layout, LinearCapture, LinearState
 from engine.models.weights import Loader, Projection, expert_matmul, matmul
 
@@ -303,6 +303,8 @@ class DenseFFN:
         self.down = ld.matrix(f"{prefix}.ffn_down{suffix}.weight", (n_embd, n_ff))
 
     def __call__(self, x: mx.array) -> mx.array:
+        if swiglu_cuda.enabled():
+            return matmul(swiglu_cuda.swiglu_cuda(self.gate_up.joined(x)), self.down)
         gate, up = self.gate_up(x)
         return matmul(nn.silu(gate) * up, self.down)
 
