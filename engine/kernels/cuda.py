@@ -13,8 +13,9 @@ _kernels: dict[tuple[str, str], Any] = {}
 # MLX's CUDA backend records an evaluation's kernels into CUDA graphs by default; it reads
 # MLX_USE_CUDA_GRAPHS once, at its first use, so this must run before any evaluation (the
 # model's module imports this one). Launching directly made our decode steps faster in every
-# same-run A/B on the H200 (0.8B shape, bf16: N=1 4.46 -> 4.15 ms, N=8 6.97 -> 5.97 ms,
-# N=32 9.50 -> 9.07 ms; docs/PERFORMANCE.md). An operator's own setting wins.
+# same-run A/B on the H200 (0.8B shape, bf16, compiled; graphs on -> off: N=1 3.43 -> 2.62 ms,
+# N=8 5.62 -> 3.32 ms, N=64 7.71 -> 5.96 ms; docs/PERFORMANCE.md, "Session 4"). An operator's
+# own setting wins.
 os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "0")
 
 
