@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 from transport import cli
 from transport.config import KEYS, ConfigError, DaemonConfig, load
+from transport.daemon import build_scheduler, compute_dtype
 
 EXAMPLE = Path(__file__).parent.parent / "deploy" / "slotserve.toml"
 
@@ -163,3 +165,21 @@ def test_weights_are_stored_or_dense(model: Path) -> None:
     assert load(None, {"SLOTSERVE_WEIGHTS": "dense"}, no_flags(model=str(model))).weights == "dense"
     with pytest.raises(ConfigError, match=r"weights.*expected one of stored, dense"):
         load(None, {}, no_flags(model=str(model), weights="f16"))
+
+
+def test_dtype_and_compile_settings_reach_the_model_and_runner(model: Path) -> None:
+    """`dtype` and `compile` are checked like every key and take effect in the scheduler the
+    daemon builds: the model's weights in that dtype, the pool's K/V beside it, compiled
+    steps when asked."""
+    default = load(None, {}, no_flags(model=str(model)))
+    assert (default.dtype, default.compile) == ("auto", "off")
+    for bad in ({"dtype": "f8"}, {"compile": "yes"}):
+        with pytest.raises(ConfigError, match=rf"{next(iter(bad))}.*expected one of"):
+            load(None, {}, no_flags(model=str(model), **bad))
+    assert compute_dtype("auto") == (mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32)
+    env = {"SLOTSERVE_DTYPE": "bfloat16", "SLOTSERVE_COMPILE": "on", "SLOTSERVE_PREFIX_CACHE": ""}
+    config = load(None, env, no_flags(model=str(model), slots="2", context="64"))
+    scheduler, _ = build_scheduler(config)
+    runner = scheduler.runner
+    assert runner.compile and runner.pool.kv_dtype == mx.bfloat16
+    assert runner.model.dtype == mx.bfloat16

@@ -86,20 +86,25 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
     t0 = time.perf_counter()
     # "dense": quantized matrices dequantized to floats at load — on a CPU MLX's quantized
     # matmul costs the same per token however many rows share a step, a BLAS GEMM does not
-    model = Model(GGUFFile(path, quantized=config.weights == "stored"))
+    dtype = compute_dtype(config.dtype)
+    model = Model(GGUFFile(path, quantized=config.weights == "stored"), dtype=dtype)
     tokenizer = Tokenizer.from_metadata(GGUFFile(path).metadata)
     cfg = model.config
     log.info(
-        "model loaded in %.1f s on %s: %s, %d layers, vocab %d, %s weights",
+        "model loaded in %.1f s on %s: %s, %d layers, vocab %d, %s weights, %s compute, "
+        "compiled steps %s",
         time.perf_counter() - t0,
         mx.default_device(),
         cfg.name,
         cfg.n_layer,
         cfg.n_vocab,
         config.weights,
+        dtype,
+        config.compile,
     )
     t0 = time.perf_counter()
-    pool = SlotPool(cfg, config.slots, config.context, max_draft=config.max_draft)
+    kv_dtype = mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
+    pool = SlotPool(cfg, config.slots, config.context, kv_dtype, max_draft=config.max_draft)
     log.info(
         "slot pool: %d slots x %d tokens, draft depth %d, allocated in %.1f s",
         config.slots,
@@ -116,10 +121,19 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
         else s.PrefixCacheConfig(config.prefix_cache, config.prefix_cache_interval),
         fault_hook=faults.from_environment(os.environ),  # test-only; None unless set
     )
-    runner = ModelRunner(model, pool)
+    runner = ModelRunner(model, pool, compile=config.compile == "on")
     speculator = None if config.dflash is None else _dflash_speculator(runner, config.dflash)
     scheduler = s.Scheduler(runner, tokenizer, sched_config, speculator)
     return scheduler, ModelInfo.of(scheduler, config.model_name or path.stem)
+
+
+def compute_dtype(setting: str) -> mx.Dtype:
+    """The `dtype` setting as an MLX dtype: "auto" is bfloat16 on a GPU (what the kernels and
+    benchmarks there run; half the bytes of float32 per weight read), float32 on the CPU
+    (MLX's CPU backend computes bfloat16 slowly, and f32 is what the parity tests hold)."""
+    if setting == "auto":
+        return mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
+    return getattr(mx, setting)
 
 
 def _dflash_speculator(runner: ModelRunner, path: Path) -> Speculator:
