@@ -13,6 +13,7 @@ DeltaNet layer, its conv window and its recurrent state after every position;
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NewType
 
@@ -233,17 +234,8 @@ class SlotPool:
         k, v, conv, ssm = new
         self.k[:, tok_slot, tok_pos] = k.astype(self.kv_dtype)
         self.v[:, tok_slot, tok_pos] = v.astype(self.kv_dtype)
-        runs = _runs(slots)
-        if len(runs) > self.MAX_RUNS:
-            idx = mx.array(slots, dtype=mx.int32)
-            self.conv[:, idx] = conv
-            self.ssm[:, idx] = ssm
-            return
-        at = 0
-        for lo, hi in runs:
-            self.conv[:, lo:hi] = conv[:, at : at + hi - lo]
-            self.ssm[:, lo:hi] = ssm[:, at : at + hi - lo]
-            at += hi - lo
+        put_slots(self.conv, slots, conv, self.MAX_RUNS)
+        put_slots(self.ssm, slots, ssm, self.MAX_RUNS)
 
     @staticmethod
     def split_states(
@@ -349,18 +341,38 @@ class SlotPool:
     # -- rollback, fork, snapshot -----------------------------------------------------------
     def rollback(self, slot: SlotId, keep: int) -> None:
         """Keep only the first `keep` positions of the slot's last capture row."""
-        self._check(slot)
-        cap = self._captures.get(slot)
-        if cap is None or self.lengths[slot] != cap.start + cap.length:
-            raise SlotStateError(f"slot {slot}: no capture row to roll back")
-        if not 0 <= keep <= cap.length:
-            raise SlotStateError(f"slot {slot}: keep={keep} outside 0..{cap.length}")
-        Kc = self.config.conv_kernel
-        self.conv[:, slot] = mx.stack([w[keep : keep + Kc - 1] for w in cap.windows])
-        self.ssm[:, slot] = mx.stack([entry(st, keep) for st in cap.states])
-        self.lengths[slot] = cap.start + keep
-        self.mtp_lengths[slot] = min(self.mtp_lengths[slot], self.lengths[slot])
-        del self._captures[slot]
+        self.rollback_many([(slot, keep)])
+
+    def rollback_many(self, keeps: Sequence[tuple[SlotId, int]]) -> None:
+        """`rollback` of several slots at once, as a step's verify rows are resolved together:
+        the kept conv windows and states of every slot and layer are gathered in one stack
+        per kind and written with one update each, where a slot at a time made two stacks
+        and two writes per slot (per layer, eagerly, on a GPU). Every slot is checked before
+        any changes: an error leaves the pool as it was."""
+        caps: list[SlotCapture] = []
+        for slot, keep in keeps:
+            self._check(slot)
+            cap = self._captures.get(slot)
+            if cap is None or self.lengths[slot] != cap.start + cap.length:
+                raise SlotStateError(f"slot {slot}: no capture row to roll back")
+            if not 0 <= keep <= cap.length:
+                raise SlotStateError(f"slot {slot}: keep={keep} outside 0..{cap.length}")
+            caps.append(cap)
+        slots = [slot for slot, _ in keeps]
+        if len(set(slots)) != len(slots):
+            raise SlotStateError(f"a slot appears more than once in a rollback: {slots}")
+        if not keeps:
+            return
+        Kc, L, R = self.config.conv_kernel, len(caps[0].windows), len(keeps)
+        pairs = list(zip(caps, (keep for _, keep in keeps), strict=True))
+        conv = stack_cuda.stack([c.windows[i][k : k + Kc - 1] for i in range(L) for c, k in pairs])
+        ssm = stack_cuda.stack([entry(c.states[i], k) for i in range(L) for c, k in pairs])
+        put_slots(self.conv, slots, conv.reshape(L, R, *conv.shape[1:]), self.MAX_RUNS)
+        put_slots(self.ssm, slots, ssm.reshape(L, R, *ssm.shape[1:]), self.MAX_RUNS)
+        for (slot, keep), cap in zip(keeps, caps, strict=True):
+            self.lengths[slot] = cap.start + keep
+            self.mtp_lengths[slot] = min(self.mtp_lengths[slot], self.lengths[slot])
+            del self._captures[slot]
 
     def truncate_mtp(self, slot: SlotId, length: int) -> None:
         self._check(slot)
@@ -440,6 +452,19 @@ def take_slots(a: mx.array, slots: list[SlotId], axis: int, max_runs: int) -> mx
         return a[(*lead, mx.array(slots, dtype=mx.int32))]
     parts = [a[(*lead, slice(lo, hi))] for lo, hi in runs]
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)
+
+
+def put_slots(a: mx.array, slots: list[SlotId], rows: mx.array, max_runs: int) -> None:
+    """Write `rows` (in `slots` order along axis 1) into `a` in place at `slots` on axis 1:
+    slices for rows on at most `max_runs` runs of consecutive slots, else one scatter."""
+    runs = _runs(slots)
+    if len(runs) > max_runs:
+        a[:, mx.array(slots, dtype=mx.int32)] = rows
+        return
+    at = 0
+    for lo, hi in runs:
+        a[:, lo:hi] = rows[:, at : at + hi - lo]
+        at += hi - lo
 
 
 def _runs(slots: list[SlotId]) -> list[tuple[int, int]]:

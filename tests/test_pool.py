@@ -202,3 +202,38 @@ def test_rows_on_consecutive_slots_are_read_as_runs_in_batch_order() -> None:
     ]
     assert _runs([SlotId(5)]) == [(5, 6)]
     assert _runs([SlotId(2), SlotId(1)]) == [(2, 3), (1, 2)]
+
+
+def test_rolling_back_many_slots_at_once_equals_one_at_a_time(model: Model) -> None:
+    """Five slots verify drafts in one step (four runs of slots: the pool is written by a
+    scatter); `rollback_many` leaves every slot bit-identical to
+    `rollback` slot by slot, and a bad entry anywhere changes nothing."""
+    rng = np.random.default_rng(3)
+    pools = []
+    for together in (False, True):
+        runner = new_runner(model, n_slots=8, context=64)
+        pool = runner.pool
+        slots = [pool.allocate() for _ in range(8)]
+        runner.step([Row(s, [int(t) for t in rng.integers(0, 512, 4)], 0) for s in slots])
+        chosen = [slots[i] for i in (0, 2, 3, 5, 7)]
+        drafts = [[int(t) for t in rng.integers(0, 512, K + 1)] for _ in chosen]
+        runner.step(
+            [Row(s, d, pool.lengths[s], capture=True) for s, d in zip(chosen, drafts, strict=True)]
+        )
+        keeps = [(s, keep) for s, keep in zip(chosen, (1, 3, K + 1, 2, 4), strict=True)]
+        if together:
+            before = [pool.snapshot(s) for s in slots]
+            with pytest.raises(SlotStateError, match="keep=9"):
+                pool.rollback_many([*keeps[:2], (chosen[2], 9)])
+            with pytest.raises(SlotStateError, match="more than once"):
+                pool.rollback_many([keeps[0], keeps[0]])
+            assert all(
+                snapshots_equal(pool.snapshot(s), b) for s, b in zip(slots, before, strict=True)
+            )
+            pool.rollback_many(keeps)
+        else:
+            for s, keep in keeps:
+                pool.rollback(s, keep)
+        pools.append([pool.snapshot(s) for s in slots])
+        rng = np.random.default_rng(3)  # the same tokens for the second pool
+    assert all(snapshots_equal(a, b) for a, b in zip(*pools, strict=True))

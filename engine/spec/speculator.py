@@ -441,6 +441,10 @@ class Speculator:
             u_accept,
             np.array([u[-1] for u in uniforms]),
         )
+        # Rejected drafts: every such slot rolls back in one pool update per state kind.
+        rejected = [(d.slot, int(a) + 1) for d, k, a in zip(decoding, ks, n, strict=True) if a < k]
+        if rejected:
+            self.runner.pool.rollback_many(rejected)
         committed, offset = [], 0
         for d, plan, out, k, a, tok in zip(decoding, plans, outputs, ks, n, nxt, strict=True):
             a = int(a)
@@ -482,9 +486,7 @@ class Speculator:
         return self.layers if any(d.layers and d.needs_hidden(slot) for d in self.drafters) else ()
 
     def _commit(self, slot: SlotId, plan: _Plan, out: RowOutput, k: int, accepted: int) -> None:
-        """Roll the slot back to its accepted tokens and tell drafters and telemetry."""
-        if accepted < k:
-            self.runner.pool.rollback(slot, accepted + 1)
+        """Tell drafters and telemetry what the slot kept (its rollback, if any, is done)."""
         if out.hidden is not None:
             taps = None if out.taps is None else out.taps[: accepted + 1]
             for d in self.drafters:
