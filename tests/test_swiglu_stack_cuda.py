@@ -33,7 +33,9 @@ def test_swiglu_kernel_matches_silu_times_up(shape: tuple[int, int], dtype: mx.D
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize(("k", "shape"), [(2, (1, 3)), (6, (8, 2, 256)), (18, (3, 16, 128, 128))])
+@pytest.mark.parametrize(
+    ("k", "shape"), [(2, (1, 3)), (6, (8, 2, 256)), (18, (3, 16, 128, 128)), (300, (2, 5))]
+)
 def test_stack_kernel_equals_mx_stack(k: int, shape: tuple[int, ...], dtype: mx.Dtype) -> None:
     keys = mx.random.split(mx.random.key(2), k)
     arrays = [mx.random.normal(shape, key=keys[i]).astype(dtype) for i in range(k)]

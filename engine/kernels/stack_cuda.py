@@ -31,8 +31,14 @@ def enabled() -> bool:
     return switched_on("STACK")
 
 
+MAX_INPUTS = 256
+"""Inputs one launch takes (a pointer each in the kernel's parameters, which CUDA caps at
+32 KB); longer lists are stacked in chunks and joined."""
+
+
 def stack(arrays: list[mx.array]) -> mx.array:
-    """`mx.stack(arrays)`: one launch on CUDA for inputs of one shape and dtype."""
+    """`mx.stack(arrays)`: one launch on CUDA for inputs of one shape and dtype (a launch per
+    `MAX_INPUTS` of them, and a join, for longer lists)."""
     K = len(arrays)
     first = arrays[0]
     if (
@@ -41,6 +47,9 @@ def stack(arrays: list[mx.array]) -> mx.array:
         or any(a.shape != first.shape or a.dtype != first.dtype for a in arrays)
     ):
         return mx.stack(arrays)
+    if K > MAX_INPUTS:
+        chunks = [arrays[i : i + MAX_INPUTS] for i in range(0, K, MAX_INPUTS)]
+        return mx.concatenate([stack(c) for c in chunks], axis=0)
     cases = "\n".join(f"        case {k}: src = a{k}; break;" for k in range(K))
     names = [f"a{k}" for k in range(K)]
     kernel = cached_kernel("stack", str(K), names, ["out"], _SOURCE.format(cases=cases))
