@@ -123,7 +123,8 @@ class ModelRunner:
     long as the process runs, and an unbounded cache grew a daemon's memory forever.
     """
 
-    PAST_BUCKET = 64  # past KV lengths are rounded up to a multiple of this
+    PAST_BUCKET = 64  # past KV lengths are rounded up to a multiple of this ...
+    PAST_LINEAR = 512  # ... up to this; beyond, compiled runners round up to a power of two
     MAX_FORWARDS = 256  # batch shapes whose forward is kept (least recently used go)
 
     def __init__(self, model: Model, pool: SlotPool, compile: bool = False) -> None:
@@ -154,7 +155,7 @@ class ModelRunner:
         taps = self._taps(batch)
 
         layout = Layout.build(lengths, starts, capture)
-        past = min(self.pool.max_context, -(-max(starts) // self.PAST_BUCKET) * self.PAST_BUCKET)
+        past = self.past_for(max(starts))
         tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, lengths)
         offsets = itertools.accumulate(lengths, initial=0)
         picked = [o + i for o, r in zip(offsets, batch, strict=False) for i in r.wanted]
@@ -204,6 +205,16 @@ class ModelRunner:
             out.rows.append(RowOutput(packed=(logits, hid, at, n), taps=row_taps))
             at += n
         return out
+
+    def past_for(self, start: int) -> int:
+        """How much past K/V a step whose latest row starts at `start` reads: `start` rounded
+        up to a multiple of `PAST_BUCKET` — and, in a compiled runner past `PAST_LINEAR`, to a
+        power of two, so a long context meets a new compiled shape each time it doubles
+        rather than every 64 tokens (reading at most twice the past it needs)."""
+        past = -(-start // self.PAST_BUCKET) * self.PAST_BUCKET
+        if self.compile and past > self.PAST_LINEAR:
+            past = 1 << (past - 1).bit_length()
+        return min(self.pool.max_context, past)
 
     def _taps(self, batch: Sequence[Row]) -> tuple[int, ...]:
         """The trunk layers any row taps, in order; raises on a layer the model lacks."""
@@ -283,7 +294,7 @@ class ModelRunner:
                     f"slot {slot}: MTP row past the context of {self.pool.max_context}"
                 )
         layout = Layout.build(lengths, starts)
-        past = min(self.pool.max_context, -(-max(starts) // self.PAST_BUCKET) * self.PAST_BUCKET)
+        past = self.past_for(max(starts))
         state = self.pool.read_mtp(slots, starts, past)
         hidden = mx.concatenate([r.hidden for r in batch], axis=0)
         key = ("mtp", layout.rows, layout.width, layout.uniform, sum(lengths), past)

@@ -89,3 +89,23 @@ def test_compiled_steps_verify_rollback_and_drafts_equal_eager(model: Model) -> 
             for r, s, d in zip(runners, slots, drafts, strict=True)
         ]
     assert runners[1].cached_forwards > 0
+
+
+def test_compiled_runners_read_long_pasts_in_doubling_bands(model: Model) -> None:
+    """Multiples of 64 up to 512 for every runner; beyond, a compiled runner rounds to a power
+    of two (a long context meets a new compiled shape each time it doubles, not every 64
+    tokens); never past the pool's context."""
+    pool = SlotPool(model.config, 1, 3000, mx.float32)
+    eager, compiled = ModelRunner(model, pool), ModelRunner(model, pool, compile=True)
+    for start, want_eager, want_compiled in [
+        (0, 0, 0),
+        (1, 64, 64),
+        (500, 512, 512),
+        (513, 576, 1024),
+        (1500, 1536, 2048),
+        (2900, 2944, 3000),
+    ]:
+        assert eager.past_for(start) == want_eager
+        assert compiled.past_for(start) == want_compiled
+    shapes = {compiled.past_for(s) for s in range(3000)}
+    assert len(shapes) == 1 + 8 + 3  # 0; 64 .. 512 by 64; then 1024, 2048, 3000
