@@ -20,7 +20,6 @@ No sockets, no event loop, no second thread: what is left is per-row Python. Bes
 from __future__ import annotations
 
 import argparse
-import gc
 import time
 from itertools import pairwise
 
@@ -37,6 +36,7 @@ from scheduler import Finished, Scheduler, SchedulerConfig
 from scheduler.loop import _State
 from transport import mapping
 from transport import protocol as p
+from transport.daemon import heap
 
 PHASES = ("plan", "run", "commit", "publish", "flush")
 CONNECTIONS = 64
@@ -98,8 +98,7 @@ def measure(rows: int, steps: int, blocks: int = 7) -> dict[str, float]:
 
     for _ in range(5):  # prefill and first tokens
         step()
-    gc.collect()
-    gc.freeze()  # as the daemon does after warm-up
+    heap.settle_collector()  # as the daemon does after warm-up
     best: list[float] | None = None
     for _ in range(blocks):
         total = [0.0] * len(PHASES)

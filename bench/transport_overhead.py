@@ -32,7 +32,6 @@ Prints a table; writes JSON to out/bench/transport_overhead.json (or transport_o
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -73,6 +72,7 @@ from scheduler import (
     Usage,
 )
 from transport import protocol as p
+from transport.daemon import heap
 from transport.server import ModelInfo, Server, ServerConfig
 
 OUT_DIR = harness.OUT_DIR  # importing harness also puts the repository root on sys.path
@@ -206,8 +206,7 @@ async def serve_and_load(
                 await stack.enter_async_context(scheduler.running())
             (endpoint,) = await stack.enter_async_context(server.running())
             if not args.no_gc_freeze:  # as the daemon does once it has warmed up
-                gc.collect()
-                gc.freeze()
+                heap.settle_collector()
             files = [Path(tmp) / f"clients-{i}.npz" for i in range(args.client_procs)]
             cpu0 = time.process_time()
             async with anyio.create_task_group() as procs:
@@ -387,7 +386,9 @@ def main() -> None:
         "--transport-only", action="store_true", help="replace the scheduler by StubScheduler"
     )
     ap.add_argument(
-        "--no-gc-freeze", action="store_true", help="skip the daemon's gc.freeze() after setup"
+        "--no-gc-freeze",
+        action="store_true",
+        help="skip the daemon's heap.settle_collector() after setup (gc.freeze, young threshold)",
     )
     ap.add_argument("--role-clients", nargs=2, metavar=("ENDPOINT", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
