@@ -112,42 +112,21 @@ class SinkOutlet(Outlet):
         return True
 
 
-class GroupOutlet(Outlet):
+class GroupOutlet(SinkOutlet):
     """Into a `StepSink` under `key`. The scheduler batches a step's Deltas of all requests
     sharing the sink into one `deltas` call itself (`Scheduler._publish`); `emit` delivers
-    one event alone. False (and `failure` set) once the sink has raised on this request."""
+    one event alone, as a `SinkOutlet` does."""
 
     def __init__(self, request_id: str, group: StepSink, key: Any) -> None:
-        self.request_id = request_id
+        super().__init__(request_id, self._to_group)
         self.group, self.key = group, key
 
-    def emit(self, event: Event) -> bool:
+    def _to_group(self, event: Event) -> None:
         assert self.group is not None
         if isinstance(event, Delta):
-            if self.failure is not None:
-                return False
-            return self.deliver([(self.key, event)])
-        try:
+            self.group.deltas([(self.key, event)])
+        else:
             self.group.end(self.key, event)
-        except Exception as e:
-            self.fail(e, "Finished")
-            return False
-        return True
-
-    def deliver(self, items: list[tuple[Any, Delta]]) -> bool:
-        """`items` (this request's and others' of the same sink) to the sink; False if it
-        raised (this outlet's `failure` is set; the caller fails the others)."""
-        assert self.group is not None
-        try:
-            self.group.deltas(items)
-        except Exception as e:
-            self.fail(e, f"{len(items)} Deltas")
-            return False
-        return True
-
-    def fail(self, e: Exception, what: str) -> None:
-        log.exception("%s: the step sink failed on %s", self.request_id, what)
-        self.failure = self.failure or f"the event sink failed: {type(e).__name__}: {e}"
 
 
 class RequestHandle:

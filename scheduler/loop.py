@@ -18,6 +18,7 @@ the event loop that runs `running()`; none of them is thread-safe.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import threading
 import time
@@ -25,7 +26,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from enum import Enum, auto
-from typing import Any, cast
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -53,6 +54,8 @@ from scheduler.request import DuplicateRequestId, Request, Speculation, prepare
 from scheduler.sequence import Phase, Sequence
 from scheduler.stats import Counters, SchedulerStats
 from scheduler.step import Stepper, StepPlan, StepResult
+
+log = logging.getLogger("slotserve.scheduler")
 
 STEP_START_WAIT_S = 0.00005
 """How long the loop blocks at a time (GIL released) for the step thread to start."""
@@ -461,12 +464,15 @@ class Scheduler:
                     continue
             if seq.ending is not None:
                 ended.append((seq, seq.ending))
-        for items, seqs in groups.values():
-            if not cast(GroupOutlet, seqs[0].events).deliver(items):
-                failure = seqs[0].events.failure
-                for seq in seqs:  # (the sink took none of them, or some: either way, they end)
+        for group, (items, seqs) in groups.items():
+            try:
+                group.deltas(items)
+            except Exception as e:  # the sink took none of them, or some: they all end
+                log.exception("the step sink failed on %d Deltas (%s, ...)", len(seqs), seqs[0].id)
+                failure = f"the event sink failed: {type(e).__name__}: {e}"
+                for seq in seqs:
                     seq.events.failure = seq.events.failure or failure
-                    self._finish(seq, FinishReason.ERROR, failure)
+                    self._finish(seq, FinishReason.ERROR, seq.events.failure)
         for seq, ending in ended:
             self._finish(seq, ending)  # (nothing, if a failed sink has ended it already)
         self._counters.generated_tokens += generated

@@ -136,7 +136,18 @@ class _SessionSink:
         self.server, self.session = server, session
 
     def deltas(self, items: list[tuple[int, s.Delta]]) -> None:
-        self.server._relay_deltas(self.session, items)
+        """A step's Deltas of the session's requests into its step batch. Should this raise,
+        the scheduler ends those requests with an error, whose terminals come to `end`
+        (and go out as INTERNAL Errors)."""
+        server, session = self.server, self.session
+        if server.observer is not None:
+            for rid, event in items:
+                server._observe(session, rid, event)
+        if session.closed:
+            return
+        if not session.deltas and not session.terminals:  # else marked already
+            server._mark(session)
+        session.deltas += mapping.to_deltas(items)
 
     def end(self, key: int, event: s.Finished) -> None:
         self.server._relay_end(self.session, key, event)
@@ -353,19 +364,6 @@ class Server:
         return False
 
     # -- streaming ----------------------------------------------------------------------------
-    def _relay_deltas(self, session: _Session, items: list[tuple[int, s.Delta]]) -> None:
-        """A step's Deltas of the session's requests into its step batch. Should this raise,
-        the scheduler ends those requests with an error, whose terminals come to
-        `_relay_end` (and go out as INTERNAL Errors)."""
-        if self.observer is not None:
-            for rid, event in items:
-                self._observe(session, rid, event)
-        if session.closed:
-            return
-        if not session.deltas and not session.terminals:  # else marked already
-            self._mark(session)
-        session.deltas += mapping.to_deltas(items)
-
     def _relay_end(self, session: _Session, rid: int, event: s.Finished) -> None:
         """A request's end: its terminal after the session's Deltas."""
         self._observe(session, rid, event)
