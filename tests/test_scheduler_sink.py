@@ -69,6 +69,18 @@ def requests(n: int) -> list[Request]:
     ]
 
 
+async def through_sinks(tiny: Tiny, reqs: list[Request], n_slots: int) -> list[Recorder]:
+    """Each request with a sink of its own on a fresh scheduler, run to their ends."""
+    scheduler = new_scheduler(tiny, n_slots=n_slots)
+    sinks = [Recorder() for _ in reqs]
+    async with scheduler.running():
+        for r, rec in zip(reqs, sinks, strict=True):
+            scheduler.submit(r, sink=rec)
+        for rec in sinks:
+            await rec.wait()
+    return sinks
+
+
 def well_formed(rec: Recorder) -> Finished:
     """Deltas, then exactly one Finished, last."""
     assert rec.events and isinstance(rec.events[-1], Finished)
@@ -81,14 +93,8 @@ async def test_a_sink_gets_the_handles_events_in_order_on_the_event_loop(tiny: T
     scheduler = new_scheduler(tiny, n_slots=3)  # 6 requests on 3 slots: some wait
     async with scheduler.running():
         handles = [await scheduler.submit(r).collect() for r in reqs]  # one by one
-    scheduler = new_scheduler(tiny, n_slots=3)
-    sinks = [Recorder() for _ in reqs]
-    async with scheduler.running():
-        for r, rec in zip(reqs, sinks, strict=True):
-            scheduler.submit(r, sink=rec)
-        for rec in sinks:
-            await rec.wait()
-        loop_thread = threading.get_ident()
+    sinks = await through_sinks(tiny, reqs, n_slots=3)
+    loop_thread = threading.get_ident()  # (the test runs on the event loop's thread)
     for rec, done in zip(sinks, handles, strict=True):
         final = well_formed(rec)
         assert rec.tokens == done.token_ids
@@ -220,13 +226,7 @@ async def test_a_step_sink_streams_exactly_what_per_request_sinks_do(tiny: Tiny)
         text = (await scheduler.submit(probe).collect()).text
     stop = text[len(text) // 3 : len(text) // 3 + 2]  # met by the "s" request, mid-stream
     reqs = mixed_requests(stop)
-    scheduler = new_scheduler(tiny, n_slots=5)  # 13 requests on 5 slots: staggered
-    alone = [Recorder() for _ in reqs]
-    async with scheduler.running():
-        for r, rec in zip(reqs, alone, strict=True):
-            scheduler.submit(r, sink=rec)
-        for rec in alone:
-            await rec.wait()
+    alone = await through_sinks(tiny, reqs, n_slots=5)  # 13 requests on 5 slots: staggered
     scheduler = new_scheduler(tiny, n_slots=5)
     groups = [GroupRecorder(), GroupRecorder()]
     async with scheduler.running():
