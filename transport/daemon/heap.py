@@ -25,8 +25,8 @@ TRIM_INTERVAL_S = 30.0
 YOUNG_THRESHOLD = 20_000
 """Net container allocations that start a young-generation collection (Python's default:
 700). A decode step allocates thousands of short-lived containers per thousand rows (rows,
-outputs, Deltas) and frees them within the step; at 700 that ran ~11 young collections per
-step and a full one every few seconds, ~1.1 µs of CPU per streamed token at 1024 rows
+outputs, Deltas) and frees them within the step; at 700 that ran several young collections
+per step and several full ones a second, ~1.1 µs of CPU per streamed token at 1024 rows
 (PERFORMANCE.md, issue 6). Long-lived garbage still starts one after this many."""
 
 
