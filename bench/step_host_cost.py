@@ -20,9 +20,7 @@ No sockets, no event loop, no second thread: what is left is per-row Python. Bes
 from __future__ import annotations
 
 import argparse
-import gc
 import time
-from collections.abc import Callable
 from itertools import pairwise
 
 import harness  # noqa: F401  (puts the repository root on sys.path)
@@ -34,13 +32,27 @@ from engine.gguf import GGUFFile
 from engine.models.qwen35 import load_model
 from engine.tokenizer import Tokenizer
 from scheduler import Delta as SchedulerDelta
-from scheduler import Event, Scheduler, SchedulerConfig
+from scheduler import Finished, Scheduler, SchedulerConfig
 from scheduler.loop import _State
 from transport import mapping
 from transport import protocol as p
+from transport.daemon import heap
 
 PHASES = ("plan", "run", "commit", "publish", "flush")
 CONNECTIONS = 64
+
+
+class Outbox:
+    """One connection's step sink, as the server's: its requests' wire Deltas of a step."""
+
+    def __init__(self) -> None:
+        self.items: list[p.Delta] = []
+
+    def deltas(self, items: list[tuple[int, SchedulerDelta]]) -> None:
+        self.items += mapping.to_deltas(items)
+
+    def end(self, key: int, event: Finished) -> None:
+        pass
 
 
 def measure(rows: int, steps: int, blocks: int = 7) -> dict[str, float]:
@@ -56,20 +68,12 @@ def measure(rows: int, steps: int, blocks: int = 7) -> dict[str, float]:
         SchedulerConfig(max_queue=2 * rows, max_batch_tokens=max(512, 2 * rows)),
     )
     scheduler._state = _State.RUNNING  # driven by hand, phase by phase, not by running()
-    outboxes: list[list[p.Delta]] = [[] for _ in range(CONNECTIONS)]
-
-    def sink(outbox: list[p.Delta], rid: int) -> Callable[[Event], None]:
-        def relay(event: Event) -> None:
-            if isinstance(event, SchedulerDelta):
-                outbox.append(mapping.to_delta(rid, event))
-
-        return relay
-
+    outboxes = [Outbox() for _ in range(CONNECTIONS)]
     for i in range(rows):
         prompt, off = p.TokenPrompt(PROMPT), p.Speculation.OFF
         generate = p.Generate(i, prompt, max_tokens, 0.0, ignore_eos=True, speculation=off)
         request = mapping.to_request(generate, f"1/{i}")
-        scheduler.submit(request, sink=sink(outboxes[i % CONNECTIONS], i))
+        scheduler.submit(request, group=outboxes[i % CONNECTIONS], key=i)
 
     def step() -> list[float]:
         t = [time.process_time()]
@@ -86,16 +90,15 @@ def measure(rows: int, steps: int, blocks: int = 7) -> dict[str, float]:
         scheduler._publish()
         t.append(time.process_time())
         for outbox in outboxes:
-            if outbox:
-                p.encode(p.Deltas(outbox))
-                outbox.clear()
+            if outbox.items:
+                p.encode(p.Deltas(outbox.items))
+                outbox.items = []
         t.append(time.process_time())
         return [b - a for a, b in pairwise(t)]
 
     for _ in range(5):  # prefill and first tokens
         step()
-    gc.collect()
-    gc.freeze()  # as the daemon does after warm-up
+    heap.settle_collector()  # as the daemon does after warm-up
     best: list[float] | None = None
     for _ in range(blocks):
         total = [0.0] * len(PHASES)

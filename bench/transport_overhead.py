@@ -32,7 +32,6 @@ Prints a table; writes JSON to out/bench/transport_overhead.json (or transport_o
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -67,11 +66,13 @@ from scheduler import (
     SchedulerConfig,
     SchedulerStats,
     SpecStats,
+    StepSink,
     StepTimes,
     Timings,
     Usage,
 )
 from transport import protocol as p
+from transport.daemon import heap
 from transport.server import ModelInfo, Server, ServerConfig
 
 OUT_DIR = harness.OUT_DIR  # importing harness also puts the repository root on sys.path
@@ -123,25 +124,31 @@ def tiny_model() -> Path:
 class StubScheduler:
     """BENCHMARK ONLY — not a scheduler (`--transport-only`). Has the Scheduler's surface
     the Server uses; every `step_s` it passes each live request a one-token Delta naming
-    the step (then its Finished at max_tokens) to the request's event sink, with no
+    the step (then its Finished at max_tokens) to the request's step sink, with no
     sampling, detokenizing or batching work: what is left is the transport's cost."""
 
     def __init__(self, step_s: float, vocab: int) -> None:
         self.step_s = step_s
         self.vocab = vocab
         self.step_ends: list[float] = []
-        self._live: dict[str, tuple[EventSink, list[int]]] = {}
+        self._live: dict[str, tuple[StepSink, Any, list[int]]] = {}
 
-    def submit(self, request: Request, sink: EventSink | None = None) -> RequestHandle:
+    def submit(
+        self,
+        request: Request,
+        sink: EventSink | None = None,
+        group: StepSink | None = None,
+        key: Any = None,
+    ) -> RequestHandle:
         assert request.request_id is not None and request.max_tokens is not None
-        assert sink is not None, "the stub serves the Server, which submits with a sink"
-        self._live[request.request_id] = (sink, [0, request.max_tokens])
+        assert group is not None, "the stub serves the Server, which submits into a group"
+        self._live[request.request_id] = (group, key, [0, request.max_tokens])
         return RequestHandle(request.request_id, len(PROMPT), None, self.cancel)
 
     def cancel(self, request_id: str) -> bool:
         live = self._live.pop(request_id, None)
         if live is not None:
-            self._end(request_id, live[0], FinishReason.CANCELLED, live[1][0])
+            self._end(live[0], live[1], request_id, FinishReason.CANCELLED, live[2][0])
         return live is not None
 
     def stats(self) -> SchedulerStats:
@@ -152,17 +159,23 @@ class StubScheduler:
             await anyio.sleep(self.step_s)
             token = (len(self.step_ends) % self.vocab,)
             self.step_ends.append(time.monotonic())
-            for rid, (sink, progress) in list(self._live.items()):
+            batches: dict[StepSink, list[tuple[Any, Delta]]] = {}
+            ended = []
+            for rid, (group, key, progress) in list(self._live.items()):
                 progress[0] += 1
-                sink(Delta(rid, token, "x"))
+                batches.setdefault(group, []).append((key, Delta(rid, token, "x")))
                 if progress[0] == progress[1]:
                     del self._live[rid]
-                    self._end(rid, sink, FinishReason.LENGTH, progress[0])
+                    ended.append((group, key, rid, progress[0]))
+            for group, items in batches.items():
+                group.deltas(items)
+            for group, key, rid, n in ended:
+                self._end(group, key, rid, FinishReason.LENGTH, n)
 
     @staticmethod
-    def _end(rid: str, sink: EventSink, why: FinishReason, n: int) -> None:
+    def _end(group: StepSink, key: Any, rid: str, why: FinishReason, n: int) -> None:
         timings = Timings(0.0, None, None, None, 0.0)
-        sink(Finished(rid, why, Usage(len(PROMPT), n), timings, SpecStats()))
+        group.end(key, Finished(rid, why, Usage(len(PROMPT), n), timings, SpecStats()))
 
 
 async def serve_and_load(
@@ -193,8 +206,7 @@ async def serve_and_load(
                 await stack.enter_async_context(scheduler.running())
             (endpoint,) = await stack.enter_async_context(server.running())
             if not args.no_gc_freeze:  # as the daemon does once it has warmed up
-                gc.collect()
-                gc.freeze()
+                heap.settle_collector()
             files = [Path(tmp) / f"clients-{i}.npz" for i in range(args.client_procs)]
             cpu0 = time.process_time()
             async with anyio.create_task_group() as procs:
@@ -374,7 +386,9 @@ def main() -> None:
         "--transport-only", action="store_true", help="replace the scheduler by StubScheduler"
     )
     ap.add_argument(
-        "--no-gc-freeze", action="store_true", help="skip the daemon's gc.freeze() after setup"
+        "--no-gc-freeze",
+        action="store_true",
+        help="skip the daemon's heap.settle_collector() after setup (gc.freeze, young threshold)",
     )
     ap.add_argument("--role-clients", nargs=2, metavar=("ENDPOINT", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()

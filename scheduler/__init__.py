@@ -8,6 +8,7 @@ Public API (what the transport layer uses):
         async for event in handle:          # Delta ..., then one Finished
             ...
         scheduler.submit(request, sink=on_event)  # or: on_event(event) for each, no task hop
+        scheduler.submit(request, group=step_sink, key=k)  # or: a step's Deltas of many at once
         scheduler.cancel(handle.request_id)
         scheduler.stats()
 
@@ -24,7 +25,7 @@ text) -> outcome.py, handle.py (what the caller receives).
 # them through it, never through the engine.
 from engine.sampling import SamplingParams
 from scheduler.config import SchedulerConfig
-from scheduler.handle import Completion, EventSink, RequestHandle
+from scheduler.handle import Completion, EventSink, RequestHandle, StepSink
 from scheduler.loop import Scheduler
 from scheduler.outcome import (
     Delta,
@@ -76,6 +77,7 @@ __all__ = [
     "SchedulerStats",
     "SpecStats",
     "Speculation",
+    "StepSink",
     "StepTimes",
     "Timings",
     "TokenLogprob",

@@ -1,11 +1,14 @@
 """The caller's side of one submitted request: its events, by stream or by sink.
 
-Two ways to receive them, chosen at `Scheduler.submit`:
+Three ways to receive them, chosen at `Scheduler.submit`:
 - a `RequestHandle` to iterate (`async for event in handle`): each event waits in the
   handle's own memory stream for the consumer's task — simple, for in-process callers;
 - an `EventSink`, a plain function the scheduler calls with each event as it
-  publishes, on the event loop, with no task hop: for a consumer of many requests
-  (the transport server batches a whole step for one connection this way).
+  publishes, on the event loop, with no task hop;
+- a `StepSink` shared by many requests, each under a key of the caller's: the
+  scheduler hands it a whole step's Deltas of all its requests in one call (the
+  transport server has one per connection: a step costs it one call per connection,
+  not one per request).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
@@ -27,6 +31,23 @@ EventSink = Callable[[Event], None]
 order: zero or more `Delta`s, then exactly one `Finished`. It must not block. A sink that
 raises on a Delta ends its request with FinishReason.ERROR (the Finished still comes to
 it); nothing it raises reaches other requests or the loop."""
+
+
+class StepSink(Protocol):
+    """Takes the events of many requests, each known by the key given at `submit`. Called
+    synchronously on the scheduler's event loop; must not block.
+
+    `deltas`: once per step with the `(key, Delta)` of each of its requests that produced
+    output in that step, in publishing order (occasionally more than once per step: a
+    request's last text at its end comes on its own). `end`: once per request with its
+    `Finished`, after all its Deltas. Should `deltas` raise, every request in that call
+    ends with FinishReason.ERROR (their Finished still come to `end`); nothing it raises
+    reaches other requests or the loop.
+    """
+
+    def deltas(self, items: list[tuple[Any, Delta]]) -> None: ...
+
+    def end(self, key: Any, event: Finished) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -44,6 +65,8 @@ class Outlet:
     longer be delivered), then `close`. `failure` says why a sink stopped taking them."""
 
     failure: str | None = None
+    group: StepSink | None = None  # set when the scheduler may batch its Deltas (`GroupOutlet`)
+    key: Any = None
 
     def emit(self, event: Event) -> bool:
         raise NotImplementedError
@@ -87,6 +110,23 @@ class SinkOutlet(Outlet):
             self.failure = self.failure or f"the event sink failed: {type(e).__name__}: {e}"
             return False
         return True
+
+
+class GroupOutlet(SinkOutlet):
+    """Into a `StepSink` under `key`. The scheduler batches a step's Deltas of all requests
+    sharing the sink into one `deltas` call itself (`Scheduler._publish`); `emit` delivers
+    one event alone, as a `SinkOutlet` does."""
+
+    def __init__(self, request_id: str, group: StepSink, key: Any) -> None:
+        super().__init__(request_id, self._to_group)
+        self.group, self.key = group, key
+
+    def _to_group(self, event: Event) -> None:
+        assert self.group is not None
+        if isinstance(event, Delta):
+            self.group.deltas([(self.key, event)])
+        else:
+            self.group.end(self.key, event)
 
 
 class RequestHandle:

@@ -18,6 +18,7 @@ the event loop that runs `running()`; none of them is thread-safe.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import threading
 import time
@@ -25,6 +26,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from enum import Enum, auto
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -36,7 +38,15 @@ from engine.spec.speculator import DecodingSlot, Speculator
 from engine.tokenizer import Tokenizer
 from scheduler.admission import MemoryBudget
 from scheduler.config import SchedulerConfig
-from scheduler.handle import EventSink, RequestHandle, SinkOutlet, StreamOutlet
+from scheduler.handle import (
+    EventSink,
+    GroupOutlet,
+    Outlet,
+    RequestHandle,
+    SinkOutlet,
+    StepSink,
+    StreamOutlet,
+)
 from scheduler.outcome import Delta, FinishReason, TokenLogprob
 from scheduler.prefix_reuse import PrefixReuse
 from scheduler.queue import Rejected, RejectReason, WaitQueue
@@ -44,6 +54,8 @@ from scheduler.request import DuplicateRequestId, Request, Speculation, prepare
 from scheduler.sequence import Phase, Sequence
 from scheduler.stats import Counters, SchedulerStats
 from scheduler.step import Stepper, StepPlan, StepResult
+
+log = logging.getLogger("slotserve.scheduler")
 
 STEP_START_WAIT_S = 0.00005
 """How long the loop blocks at a time (GIL released) for the step thread to start."""
@@ -115,10 +127,18 @@ class Scheduler:
                 with anyio.CancelScope(shield=True):
                     await self.shutdown()
 
-    def submit(self, request: Request, sink: EventSink | None = None) -> RequestHandle:
+    def submit(
+        self,
+        request: Request,
+        sink: EventSink | None = None,
+        group: StepSink | None = None,
+        key: Any = None,
+    ) -> RequestHandle:
         """Validate and queue `request`; returns its handle at once. Its events come through
         the handle, or, when `sink` is given, are passed to it as they are published
-        (`EventSink`; the handle then only cancels).
+        (`EventSink`), or, when `group` is given, to it under `key` with those of the other
+        requests sharing it, a step's Deltas in one call (`StepSink`). With a sink or a group
+        the handle only cancels.
 
         Raises `InvalidRequest` (a subclass names the problem) or `Rejected` (queue full
         with `retry_after_s`, never fits the memory budget, or shutting down).
@@ -141,7 +161,13 @@ class Scheduler:
                 f"the request needs {nbytes} bytes; the whole budget is "
                 f"{self._budget.budget_bytes} (lower max_tokens)",
             )
-        outlet = StreamOutlet() if sink is None else SinkOutlet(rid, sink)
+        if sink is not None and group is not None:
+            raise ValueError("submit takes a sink or a group, not both")
+        outlet: Outlet
+        if group is not None:
+            outlet = GroupOutlet(rid, group, key)
+        else:
+            outlet = StreamOutlet() if sink is None else SinkOutlet(rid, sink)
         seq = Sequence(
             prepared,
             outlet,
@@ -403,12 +429,15 @@ class Scheduler:
 
     def _publish(self) -> None:
         """Send the committed tokens of the last step as Deltas (and Finished where the
-        tokens ended the request)."""
+        tokens ended the request). The Deltas of requests that share a `StepSink` go to it
+        in one call; every request's Finished follows all the step's Deltas."""
         t0 = time.perf_counter()
         now = time.monotonic()
         todo, self._unpublished = self._unpublished, []
         generated = 0
         done = Phase.DONE  # (a local: looked up once per step, not per request)
+        groups: dict[StepSink, tuple[list[tuple[Any, Delta]], list[Sequence]]] = {}
+        ended: list[tuple[Sequence, FinishReason]] = []
         for seq in todo:
             if seq.phase is done:
                 continue
@@ -419,14 +448,33 @@ class Scheduler:
                 continue
             if delta is not None:
                 generated += len(delta.token_ids)  # (what `_deliver` counts, in one add)
-                if not seq.events.emit(delta):
+                events = seq.events
+                group = events.group
+                if group is not None and events.failure is None:
+                    batch = groups.get(group)
+                    if batch is None:
+                        groups[group] = batch = ([], [])
+                    batch[0].append((events.key, delta))
+                    batch[1].append(seq)
+                elif not events.emit(delta):
                     # The consumer closed its handle, or its sink failed.
-                    failure = seq.events.failure
+                    failure = events.failure
                     reason = FinishReason.CANCELLED if failure is None else FinishReason.ERROR
                     self._finish(seq, reason, failure)
                     continue
             if seq.ending is not None:
-                self._finish(seq, seq.ending)
+                ended.append((seq, seq.ending))
+        for group, (items, seqs) in groups.items():
+            try:
+                group.deltas(items)
+            except Exception as e:  # the sink took none of them, or some: they all end
+                log.exception("the step sink failed on %d Deltas (%s, ...)", len(seqs), seqs[0].id)
+                failure = f"the event sink failed: {type(e).__name__}: {e}"
+                for seq in seqs:
+                    seq.events.failure = seq.events.failure or failure
+                    self._finish(seq, FinishReason.ERROR, seq.events.failure)
+        for seq, ending in ended:
+            self._finish(seq, ending)  # (nothing, if a failed sink has ended it already)
         self._counters.generated_tokens += generated
         self._counters.times.publish_s += time.perf_counter() - t0
 

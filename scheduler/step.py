@@ -276,7 +276,7 @@ class Stepper:
             poisoned = (
                 None if self.fault_hook is None else self.fault_hook([s.id for s, _ in entries])
             )
-            out = self.runner.step([row for _, row in entries])
+            out = self.runner.step(list(map(_second, entries)))
         except UNCHANGED as e:
             if len(entries) == 1:
                 result.failed.append((entries[0][0], _describe(e)))
@@ -417,15 +417,16 @@ def _finite_rows(rows: list[RowOutput]) -> list[bool]:
     return out
 
 
-_packed_of, _tokens_of, _first = attrgetter("packed"), attrgetter("tokens"), itemgetter(0)
+_packed_of, _tokens_of = attrgetter("packed"), attrgetter("tokens")
+_first, _second, _decoding_of = itemgetter(0), itemgetter(1), attrgetter("decoding")
 
 
 def _decodings(seqs: list[Seq]) -> list[DecodingSlot]:
-    states = [s.decoding for s in seqs]
+    states = list(map(_decoding_of, seqs))
     if None in states:
         missing = next(s.id for s in seqs if s.decoding is None)
         raise AssertionError(f"{missing} decodes without a decode state")
-    return states  # type: ignore[return-value]  # (no None among them)
+    return states  # (no None among them)
 
 
 def _slot(seq: Seq) -> SlotId:

@@ -1,4 +1,5 @@
-"""The daemon's periodic heap trim (transport/daemon/heap.py).
+"""The daemon's heaps (transport/daemon/heap.py): the collector settled after warm-up, and
+the periodic heap trim.
 
 What the trim does for resident memory is measured by the soak (docs/RELIABILITY.md);
 here: the daemon finds glibc's `malloc_trim` and can call it.
@@ -6,12 +7,29 @@ here: the daemon finds glibc's `malloc_trim` and can call it.
 
 from __future__ import annotations
 
+import gc
 import platform
 import sys
 
 import pytest
 
-from transport.daemon.heap import malloc_trim
+from transport.daemon.heap import YOUNG_THRESHOLD, malloc_trim, settle_collector
+
+
+def test_settling_the_collector_freezes_what_exists_and_raises_the_young_threshold() -> None:
+    before = gc.get_threshold()
+    kept = [object(), [1, 2]]  # (what exists at warm-up)
+    try:
+        settle_collector()
+        assert gc.get_freeze_count() >= len(kept)
+        assert gc.get_threshold() == (YOUNG_THRESHOLD, *before[1:])
+        cycle: list[object] = []
+        cycle.append(cycle)
+        del cycle
+        assert gc.collect() >= 1  # garbage made afterwards is still collected
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
 
 
 @pytest.mark.skipif(

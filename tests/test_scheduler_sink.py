@@ -4,6 +4,7 @@ as a handle, in order, exactly one terminal, and a sink that fails costs only it
 from __future__ import annotations
 
 import threading
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -68,6 +69,18 @@ def requests(n: int) -> list[Request]:
     ]
 
 
+async def through_sinks(tiny: Tiny, reqs: list[Request], n_slots: int) -> list[Recorder]:
+    """Each request with a sink of its own on a fresh scheduler, run to their ends."""
+    scheduler = new_scheduler(tiny, n_slots=n_slots)
+    sinks = [Recorder() for _ in reqs]
+    async with scheduler.running():
+        for r, rec in zip(reqs, sinks, strict=True):
+            scheduler.submit(r, sink=rec)
+        for rec in sinks:
+            await rec.wait()
+    return sinks
+
+
 def well_formed(rec: Recorder) -> Finished:
     """Deltas, then exactly one Finished, last."""
     assert rec.events and isinstance(rec.events[-1], Finished)
@@ -80,14 +93,8 @@ async def test_a_sink_gets_the_handles_events_in_order_on_the_event_loop(tiny: T
     scheduler = new_scheduler(tiny, n_slots=3)  # 6 requests on 3 slots: some wait
     async with scheduler.running():
         handles = [await scheduler.submit(r).collect() for r in reqs]  # one by one
-    scheduler = new_scheduler(tiny, n_slots=3)
-    sinks = [Recorder() for _ in reqs]
-    async with scheduler.running():
-        for r, rec in zip(reqs, sinks, strict=True):
-            scheduler.submit(r, sink=rec)
-        for rec in sinks:
-            await rec.wait()
-        loop_thread = threading.get_ident()
+    sinks = await through_sinks(tiny, reqs, n_slots=3)
+    loop_thread = threading.get_ident()  # (the test runs on the event loop's thread)
     for rec, done in zip(sinks, handles, strict=True):
         final = well_formed(rec)
         assert rec.tokens == done.token_ids
@@ -160,3 +167,107 @@ async def test_cancel_and_shutdown_give_each_sink_exactly_one_terminal(tiny: Tin
     assert [len(rec.terminals) for rec in sinks] == [1] * 5
     assert reasons[0] == reasons[4] == FinishReason.CANCELLED
     assert reasons[1:4] == [FinishReason.SHUTDOWN] * 3
+
+
+class GroupRecorder:
+    """A `StepSink`: keeps each key's events and the size of each `deltas` call; raises on
+    its `fail_at`-th `deltas` call (from 0)."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.events: dict[int, list[Event]] = defaultdict(list)
+        self.calls: list[list[int]] = []  # the keys of each `deltas` call
+        self.fail_at = fail_at
+
+    def deltas(self, items: list[tuple[int, Delta]]) -> None:
+        self.calls.append([k for k, _ in items])
+        if len(self.calls) - 1 == self.fail_at:
+            raise RuntimeError("step sink broke")
+        for key, delta in items:
+            self.events[key].append(delta)
+
+    def end(self, key: int, event: Finished) -> None:
+        self.events[key].append(event)
+
+
+def mixed_requests(stop: str) -> list[Request]:
+    """Greedy, sampled, log-probability, stop-string, stop-id and max-token requests."""
+    sampled = SamplingParams(temperature=0.8, top_k=20, seed=11)
+    out = []
+    for i in range(12):
+        out.append(
+            Request(
+                prompt=[5 + i, 17, 3 * i + 1, 9],
+                sampling=[GREEDY, SAMPLED, sampled][i % 3],
+                max_tokens=[3, 9, 16, 1][i % 4],
+                stop=(stop,) if i % 5 == 2 else (),
+                stop_token_ids=(7,) if i % 6 == 1 else (),
+                ignore_eos=i % 2 == 0,
+                request_id=f"m{i}",
+            )
+        )
+    s = Request(prompt=[5, 17, 1, 9], sampling=GREEDY, max_tokens=40, stop=(stop,), request_id="s")
+    return [*out, s]
+
+
+def as_seen(events: list[Event]) -> list[object]:
+    """Events as comparable values (timings differ from run to run)."""
+    return [
+        (e.token_ids, e.text, e.logprobs)
+        if isinstance(e, Delta)
+        else (e.reason, e.usage, e.matched_stop, e.error)
+        for e in events
+    ]
+
+
+async def test_a_step_sink_streams_exactly_what_per_request_sinks_do(tiny: Tiny) -> None:
+    scheduler = new_scheduler(tiny, n_slots=5)
+    async with scheduler.running():
+        probe = Request(prompt=[5, 17, 1, 9], sampling=GREEDY, max_tokens=40, request_id="p")
+        text = (await scheduler.submit(probe).collect()).text
+    stop = text[len(text) // 3 : len(text) // 3 + 2]  # met by the "s" request, mid-stream
+    reqs = mixed_requests(stop)
+    alone = await through_sinks(tiny, reqs, n_slots=5)  # 13 requests on 5 slots: staggered
+    scheduler = new_scheduler(tiny, n_slots=5)
+    groups = [GroupRecorder(), GroupRecorder()]
+    async with scheduler.running():
+        for i, r in enumerate(reqs):
+            scheduler.submit(r, group=groups[i % 2], key=i)
+        with anyio.fail_after(30):
+            while scheduler.stats().running or scheduler.stats().waiting:
+                await anyio.sleep(0.005)
+    assert well_formed(alone[-1]).matched_stop == stop  # the stop string was met
+    for i, rec in enumerate(alone):
+        events = groups[i % 2].events[i]
+        assert isinstance(events[-1], Finished) and events[-1] is not events[0]
+        assert all(isinstance(e, Delta) for e in events[:-1])
+        assert as_seen(events) == as_seen(rec.events), reqs[i].request_id
+    for group in groups:
+        assert all(len(set(keys)) == len(keys) for keys in group.calls)
+        assert max(map(len, group.calls)) > 1  # several requests' Deltas in one call
+
+
+async def test_a_failing_step_sink_ends_each_of_its_requests_with_one_error(tiny: Tiny) -> None:
+    reqs = requests(6)
+    scheduler = new_scheduler(tiny, n_slots=6)
+    broken, fine = GroupRecorder(fail_at=2), GroupRecorder()
+    async with scheduler.running():
+        for i, r in enumerate(reqs):
+            scheduler.submit(r, group=broken if i < 3 else fine, key=i)
+        with anyio.fail_after(30):
+            while scheduler.stats().running or scheduler.stats().waiting:
+                await anyio.sleep(0.005)
+        stats = scheduler.stats()
+    for i, r in enumerate(reqs):
+        events = (broken if i < 3 else fine).events[i]
+        finals = [e for e in events if isinstance(e, Finished)]
+        assert len(finals) == 1 and events[-1] is finals[0]
+        if i < 3:
+            assert finals[0].reason == FinishReason.ERROR
+            assert "step sink broke" in (finals[0].error or "")
+        else:
+            assert finals[0].reason == FinishReason.LENGTH
+            assert len([t for e in events if isinstance(e, Delta) for t in e.token_ids]) == (
+                r.max_tokens
+            )
+    assert len(broken.calls) == 3  # nothing after the failing call
+    assert stats.finished[FinishReason.ERROR] == 3

@@ -76,9 +76,15 @@ def rejection(request_id: int, exc: s.InvalidRequest | s.Rejected) -> p.Error:
     return p.Error(code, str(exc), request_id)
 
 
-def to_delta(request_id: int, event: s.Delta) -> p.Delta:
-    if not event.logprobs:
-        return p.Delta(request_id, list(event.token_ids), event.text)
+def to_deltas(items: list[tuple[int, s.Delta]]) -> list[p.Delta]:
+    """The wire Deltas of (request id, scheduler Delta) pairs: a step's, one connection's."""
+    return [
+        p.Delta(rid, list(d.token_ids), d.text) if not d.logprobs else _with_logprobs(rid, d)
+        for rid, d in items
+    ]
+
+
+def _with_logprobs(request_id: int, event: s.Delta) -> p.Delta:
     logprobs = [p.Logprob(lp.logprob, list(lp.top)) for lp in event.logprobs]
     return p.Delta(request_id, list(event.token_ids), event.text, logprobs)
 

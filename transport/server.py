@@ -2,11 +2,12 @@
 
 Per connection (a ZeroMQ routing id that said Hello) the server keeps a session:
 its outstanding requests, an outbox for messages the peer's pipe could not take,
-and the deltas of the current step. Each accepted request is submitted with an
-event sink (`_relay`) that the scheduler calls as it publishes, so a step's events
-are gathered per session with no task per request; a flusher then sends, per
-connection, ONE Deltas message with everything the step produced, then any terminal
-messages.
+and the deltas of the current step. Each accepted request is submitted into its
+session's step sink (`_SessionSink`, a `scheduler.StepSink`), which the scheduler
+hands a step's Deltas of all the session's requests in one call as it publishes, so
+a step's events are gathered per session with no task and no call per request; a
+flusher then sends, per connection, ONE Deltas message with everything the step
+produced, then any terminal messages.
 
 Nothing a client sends can crash the server: frames are decoded by type, a bad
 one gets an Error (or is dropped when even that cannot be sent) and is counted.
@@ -32,7 +33,6 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Protocol
 
 import anyio
@@ -82,7 +82,13 @@ class ServerConfig:
 class Serves(Protocol):
     """What the server needs of a scheduler (`scheduler.Scheduler` is the one)."""
 
-    def submit(self, request: s.Request, sink: s.EventSink | None = None) -> s.RequestHandle: ...
+    def submit(
+        self,
+        request: s.Request,
+        sink: s.EventSink | None = None,
+        group: s.StepSink | None = None,
+        key: Any = None,
+    ) -> s.RequestHandle: ...
 
     def cancel(self, request_id: str) -> bool: ...
 
@@ -118,6 +124,33 @@ class _Session:
     closed: bool = False  # dropped: nothing more is sent
     cancel_note: str | None = None  # why the server cancelled this session's requests
     minor: int = p.PROTOCOL_MINOR  # the client's protocol minor: nothing newer is sent
+    sink: _SessionSink | None = None  # where its requests' events come (set with the session)
+
+
+class _SessionSink:
+    """A session's `scheduler.StepSink`: its requests' events, keyed by their wire ids."""
+
+    __slots__ = ("server", "session")
+
+    def __init__(self, server: Server, session: _Session) -> None:
+        self.server, self.session = server, session
+
+    def deltas(self, items: list[tuple[int, s.Delta]]) -> None:
+        """A step's Deltas of the session's requests into its step batch. Should this raise,
+        the scheduler ends those requests with an error, whose terminals come to `end`
+        (and go out as INTERNAL Errors)."""
+        server, session = self.server, self.session
+        if server.observer is not None:
+            for rid, event in items:
+                server._observe(session, rid, event)
+        if session.closed:
+            return
+        if not session.deltas and not session.terminals:  # else marked already
+            server._mark(session)
+        session.deltas += mapping.to_deltas(items)
+
+    def end(self, key: int, event: s.Finished) -> None:
+        self.server._relay_end(self.session, key, event)
 
 
 class Server:
@@ -271,6 +304,7 @@ class Server:
         self._numbers += 1
         session = _Session(identity, self._numbers, connection, time.monotonic())
         session.minor = min(msg.minor, p.PROTOCOL_MINOR)
+        session.sink = _SessionSink(self, session)
         self._sessions[identity] = self._by_connection[connection] = session
         cfg, model = self.config, self.model
         welcome = p.Welcome(
@@ -308,7 +342,7 @@ class Server:
             return
         request = mapping.to_request(msg, f"{session.number}/{rid}")
         try:
-            handle = self.scheduler.submit(request, sink=partial(self._relay, session, rid))
+            handle = self.scheduler.submit(request, group=session.sink, key=rid)
         except (s.InvalidRequest, s.Rejected) as e:
             self._send(session, p.encode(mapping.rejection(rid, e), session.minor))
             return
@@ -330,21 +364,9 @@ class Server:
         return False
 
     # -- streaming ----------------------------------------------------------------------------
-    def _relay(self, session: _Session, rid: int, event: s.Event) -> None:
-        """The request's event sink: put its Deltas into its session's step batch and its
-        terminal after them. Should this raise, the scheduler ends the request with an
-        error, whose terminal comes here again (and goes out as an INTERNAL Error)."""
-        if self.observer is not None:
-            try:
-                self.observer(event)
-            except Exception:  # metrics must not cost the request
-                log.exception("session %d request %d: the observer failed", session.number, rid)
-        if isinstance(event, s.Delta):
-            if not session.closed:
-                if not session.deltas and not session.terminals:  # else marked already
-                    self._mark(session)
-                session.deltas.append(mapping.to_delta(rid, event))
-            return
+    def _relay_end(self, session: _Session, rid: int, event: s.Finished) -> None:
+        """A request's end: its terminal after the session's Deltas."""
+        self._observe(session, rid, event)
         try:
             terminal = mapping.to_terminal(rid, event)
         except Exception:  # a bug here must cost this request, not its terminal
@@ -352,6 +374,13 @@ class Server:
             why = "the server failed to relay this request's output"
             terminal = p.Error(p.ErrorCode.INTERNAL, why, rid)
         self._end(session, rid, terminal)
+
+    def _observe(self, session: _Session, rid: int, event: s.Event) -> None:
+        if self.observer is not None:
+            try:
+                self.observer(event)
+            except Exception:  # metrics must not cost the request
+                log.exception("session %d request %d: the observer failed", session.number, rid)
 
     def _end(self, session: _Session, rid: int, terminal: p.Finished | p.Error) -> None:
         session.requests.pop(rid, None)

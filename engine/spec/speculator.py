@@ -166,6 +166,7 @@ class _Plan:
 _PLAIN = _Plan("", _NO_DRAFT, -1)  # every slot's plan in a step without drafters
 _slot_of = attrgetter("slot")  # (C calls per slot)
 _ARGMAX_ONLY = attrgetter("argmax_only")
+_params_of = attrgetter("params")
 
 
 def default_drafters(runner: ModelRunner, dflash: DFlashModel | None = None) -> list[Drafter]:
@@ -365,7 +366,7 @@ class Speculator:
         tokens in one list, with no object per slot (the scheduler's common step)."""
         if len(outputs) != len(decoding):
             raise SpecError(f"{len(outputs)} outputs for {len(decoding)} decoding slots")
-        slots = [d.slot for d in decoding]
+        slots = list(map(_slot_of, decoding))
         found = list(map(self._plans.get, slots))
         if None in found:  # (identity checks: plans compare by identity)
             missing = [s for s, p in zip(slots, found, strict=True) if p is None]
@@ -373,8 +374,11 @@ class Speculator:
         if not decoding:
             return []
         plans = cast(list[_Plan], found)
-        for slot in slots:
-            del self._plans[slot]
+        if len(self._plans) == len(slots) == len(set(slots)):
+            self._plans.clear()  # (they are all this step's: one call, not one per slot)
+        else:
+            for slot in slots:
+                del self._plans[slot]
         ks = [] if plans.count(_PLAIN) == len(plans) else [len(p.draft.tokens) for p in plans]
         resolved: PlainStep | list[Committed]
         if any(ks):
@@ -394,7 +398,7 @@ class Speculator:
     ) -> PlainStep:
         """A step without drafts: one token per slot, sampled (`sample`) with no acceptance.
         The same tokens `_accept` would give for K = 0, at a fraction of its cost."""
-        params = [d.params for d in decoding]
+        params = list(map(_params_of, decoding))
         logits = last_logits(outputs)
         if all(map(_ARGMAX_ONLY, params)):  # what adjust_logits and sample come to then
             tokens, adjusted, logprob_rows = greedy_tokens(logits).tolist(), logits, []

@@ -18,7 +18,6 @@ Life of the process (`run`):
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -189,11 +188,7 @@ async def _serve(config: DaemonConfig, reopen: logs.ReopenableFileHandler | None
                 tg.start_soon(heap.trim_forever)
                 log.info("warming up")
                 log.info("warm-up step took %.2f s", await warm_up(scheduler))
-                # What exists now (model, tokenizer, pool, compiled graphs) lives as long as
-                # the process: spare the collector from scanning it in every full collection
-                # (measured ~20% of the host's CPU per token at 1024 rows, PERFORMANCE.md).
-                gc.collect()
-                gc.freeze()
+                heap.settle_collector()
                 metrics.refresh()  # counters start from the warmed-up state
                 server.state = p.ServerState.READY
                 where = f"; metrics on http://{config.metrics_address}/metrics" if http else ""
