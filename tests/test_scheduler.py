@@ -152,6 +152,22 @@ def mixed_requests(n: int, seed: int = 0) -> list[Request]:
     ]
 
 
+async def staggered(
+    scheduler: Scheduler, requests: list[Request], gap: float
+) -> dict[str, Completion]:
+    """Submit request i at `i * gap` seconds on the running scheduler; completions by id."""
+    results: dict[str, Completion] = {}
+
+    async def one(request: Request, delay: float) -> None:
+        await anyio.sleep(delay)
+        results[request.request_id or ""] = completion(await events_of(scheduler.submit(request)))
+
+    async with scheduler.running(), anyio.create_task_group() as tg:
+        for i, request in enumerate(requests):
+            tg.start_soon(one, request, gap * i)
+    return results
+
+
 @pytest.mark.parametrize("speculate", [False, True], ids=["plain", "speculating"])
 async def test_32_staggered_requests_complete_and_each_matches_its_solo_run(
     new: Callable[..., Scheduler], speculate: bool
@@ -161,15 +177,7 @@ async def test_32_staggered_requests_complete_and_each_matches_its_solo_run(
     compare those."""
     requests = mixed_requests(32)
     scheduler = new(n_slots=8, speculate=speculate, max_batch_tokens=96, max_prefill_chunk=32)
-    results: dict[str, Completion] = {}
-
-    async def one(request: Request, delay: float) -> None:
-        await anyio.sleep(delay)
-        results[request.request_id or ""] = completion(await events_of(scheduler.submit(request)))
-
-    async with scheduler.running(), anyio.create_task_group() as tg:
-        for i, request in enumerate(requests):
-            tg.start_soon(one, request, 0.004 * i)
+    results = await staggered(scheduler, requests, 0.004)
     stats = scheduler.stats()
     assert stats.finished.keys() <= {FinishReason.STOP, FinishReason.LENGTH}
     assert stats.generated_tokens == sum(len(r.token_ids) for r in results.values())
@@ -194,15 +202,7 @@ async def test_compiled_steps_serve_what_eager_steps_serve(new: Callable[..., Sc
     scheduler = new(
         n_slots=4, speculate=True, compile=True, max_batch_tokens=64, max_prefill_chunk=16
     )
-    results: dict[str, Completion] = {}
-
-    async def one(request: Request, delay: float) -> None:
-        await anyio.sleep(delay)
-        results[request.request_id or ""] = completion(await events_of(scheduler.submit(request)))
-
-    async with scheduler.running(), anyio.create_task_group() as tg:
-        for i, request in enumerate(requests):
-            tg.start_soon(one, request, 0.003 * i)
+    results = await staggered(scheduler, requests, 0.003)
     assert scheduler.runner.graphs_made > 1
     assert len(results) == len(requests)
     assert sum(r.finished.spec.verify_steps for r in results.values()) > 0
