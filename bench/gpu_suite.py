@@ -66,8 +66,9 @@ def ensure_mlx_lm(wheels: Path, site: Path) -> str:
 
 
 def run_ours_vs_mlx_lm(
-    model: Path, ns: list[int], args: argparse.Namespace, out: Path
+    model: Path, ns: list[int], args: argparse.Namespace, out: Path, alone: bool = False
 ) -> dict[str, Any]:
+    """Ours beside mlx-lm (a worker process each, alternating); `alone`: ours' worker only."""
     import batched_decode
 
     argv = [
@@ -77,12 +78,12 @@ def run_ours_vs_mlx_lm(
         "--steps", str(args.steps),
         "--reps", str(args.reps),
         "--warmup", "1",
-        "--peers", "mlx-lm",
+        "--peers", "," if alone else "mlx-lm",
         "--blas", "bundled",
         "--dtype", args.dtype,
         "--kv-dtype", args.dtype,
         "--retries", "0",
-        "--out", str(out / f"batched_decode_{model.stem}.json"),
+        "--out", str(out / f"batched_decode_{model.stem}{'_alone' if alone else ''}.json"),
     ]  # fmt: skip
     if args.compile:
         argv.append("--compile")
@@ -139,6 +140,10 @@ def summarize(results: dict[str, Any], ns_small: list[int]) -> str:
         for side in ("ours", "mlx-lm"):
             cells = [f"{tok[n][side]:.0f}" if n in tok else "—" for n in ns_small]
             lines.append(f"| {side}, {key} | " + " | ".join(cells) + " |")
+        if "alone" in r:
+            solo = {int(s["n"]): s["tok_s"]["ours"] for s in r["alone"]["summary"]}
+            cells = [f"{solo[n]:.0f}" if n in solo else "—" for n in ns_small]
+            lines.append(f"| ours alone (no mlx-lm worker), {key} | " + " | ".join(cells) + " |")
         if llama:
             cells = [f"{llama[n]:.0f}" if n in llama else "—" for n in ns_small]
             lines.append(f"| llama.cpp, {key} | " + " | ".join(cells) + " |")
@@ -192,6 +197,8 @@ def main() -> None:
             continue
         print(f"[gpu_suite] {model.name} at N={ns} ({left:.0f} s of budget left)", flush=True)
         r: dict[str, Any] = {"batched": run_ours_vs_mlx_lm(model, ns, args, out)}
+        if args.alone:
+            r["alone"] = run_ours_vs_mlx_lm(model, ns, args, out, alone=True)
         if label == "big":
             r["roofline_tok_s"] = roofline_tok_s(model, args.bandwidth_tbs)
         if args.llama_batched_bench:
@@ -230,6 +237,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--alone",
+        action="store_true",
+        help="also time ours with no mlx-lm worker alive (the suite's figure for ours has been "
+        "below step_roofline's on the GPU)",
+    )
     p.add_argument("--llama-batched-bench", type=Path, help="llama.cpp's binary, built for CUDA")
     p.add_argument("--llama-timeout", type=float, default=120)
     p.add_argument("--wheels", type=Path, default=ROOT / "out" / "gpu_wheels")

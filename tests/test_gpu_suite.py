@@ -27,6 +27,7 @@ def test_suite_runs_both_models_and_writes_its_tables(
     big = make_model("tiny", quant="q8_0", ssm_state_size=32)
     cmd = [sys.executable, "bench/gpu_suite.py", "--small", str(small), "--big", str(big)]
     cmd += ["--dtype", "float32", "--ns", "1,2", "--prompt", "6", "--steps", "3", "--reps", "1"]
+    cmd += ["--alone"]
     env = os.environ | {"OUT": str(tmp_path)}
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
 
@@ -39,6 +40,8 @@ def test_suite_runs_both_models_and_writes_its_tables(
     assert record["models"][big.stem]["roofline_tok_s"] > 0
     table = (tmp_path / "gpu_suite.md").read_text()
     assert f"| ours, {small.stem} |" in table and "ours / mlx-lm >= 3" in table
+    assert f"| ours alone (no mlx-lm worker), {small.stem} |" in table
+    assert [s["n"] for s in record["models"][small.stem]["alone"]["summary"]] == [1, 2]
 
 
 def test_llama_batched_bench_table_is_parsed() -> None:
