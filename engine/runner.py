@@ -226,10 +226,9 @@ class ModelRunner:
     def _forward_fn(
         self, key: tuple[object, ...], layout: Layout, taps: tuple[int, ...]
     ) -> Callable[..., Any]:
-        fn = self._compiled.get(key)
-        if fn is not None:
-            self._compiled.move_to_end(key)
-            return fn
+        kept = self._kept(key)
+        if kept is not None:
+            return kept
         model, config = self.model, self.model.config
 
         def forward(
@@ -245,19 +244,13 @@ class ModelRunner:
             t = [] if tapped is None else [tapped[picked]]  # a list: compiled graphs return no None
             return model.logits(h).astype(mx.float32), h, new, flat, t
 
-        fn = mx.compile(forward) if self.compile else forward
-        self.graphs_made += self.compile
-        self._compiled[key] = fn
-        if len(self._compiled) > self.MAX_FORWARDS:
-            self._compiled.popitem(last=False)
-        return fn
+        return self._keep(key, forward)
 
     def _draft_fn(self, key: tuple[object, ...], layout: Layout) -> Callable[..., Any]:
         """The MTP head's forward for one batch shape, compiled like the trunk's."""
-        fn = self._compiled.get(key)
-        if fn is not None:
-            self._compiled.move_to_end(key)
-            return fn
+        kept = self._kept(key)
+        if kept is not None:
+            return kept
         mtp = self.model.mtp
         assert mtp is not None
 
@@ -269,8 +262,21 @@ class ModelRunner:
             logits, h, new = mtp(tokens, hidden, lay, AttentionState(*kv))
             return logits.astype(mx.float32), h, new.k, new.v
 
-        fn = mx.compile(draft) if self.compile else draft
-        self.graphs_made += self.compile
+        return self._keep(key, draft)
+
+    def _kept(self, key: tuple[object, ...]) -> Callable[..., Any] | None:
+        """The forward kept for this batch shape, if any (now the most recently used)."""
+        kept = self._compiled.get(key)
+        if kept is not None:
+            self._compiled.move_to_end(key)
+        return kept
+
+    def _keep(self, key: tuple[object, ...], fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Keep `fn` (compiled, in a compiled runner) for this batch shape; the least
+        recently used go past `MAX_FORWARDS`."""
+        if self.compile:
+            fn = mx.compile(fn)
+            self.graphs_made += 1
         self._compiled[key] = fn
         if len(self._compiled) > self.MAX_FORWARDS:
             self._compiled.popitem(last=False)
@@ -350,7 +356,7 @@ def _unflatten_captures(
     model: Model, layout: Layout, flat: list[mx.array]
 ) -> list[LinearCapture | None]:
     """Per trunk layer, the capture of the batch's capture rows (linear layers only)."""
-    rows = tuple(b for b, c in enumerate(layout.capture) if c)
+    rows = layout.capture_rows
     if not rows:
         return [None] * len(model.layers)
     out: list[LinearCapture | None] = []

@@ -207,7 +207,7 @@ def _source(eps: float, capture: bool) -> str:
     return src
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)  # capture patterns of recent batch shapes
 def _capture_index(rows: int, capture_rows: tuple[int, ...]) -> mx.array:
     """`[rows]` int32: each row's place among the capture rows, -1 for the others."""
     index = [-1] * rows
@@ -293,7 +293,7 @@ def gdn_mixer_cuda(
     dtypes = [proj.dtype, f32, f32]
     if capture:
         Bc = len(capture_rows)
-        arrays.append(_capture_index(B, tuple(capture_rows)))
+        arrays.append(_capture_index(B, capture_rows))
         shapes += [(Bc, T + 1, Hv, dv, dk), (Bc, Kc - 1 + T, Cc)]
         dtypes += [f32, f32]
     out = kernel(

@@ -63,6 +63,11 @@ class Layout:
             row_lengths=mx.array(list(lengths), dtype=mx.int32),
         )
 
+    @property
+    def capture_rows(self) -> tuple[int, ...]:
+        """The rows whose linear-layer state is kept after every position, in order."""
+        return tuple(b for b, c in enumerate(self.capture) if c)
+
     def arrays(self) -> list[mx.array]:
         return [
             self.pad_index,

@@ -206,7 +206,7 @@ class GatedDeltaNet:
     ) -> tuple[mx.array, LinearState, LinearCapture | None]:
         cfg = self.cfg
         if gdn_mixer_cuda.enabled():
-            cap_rows = tuple(b for b, c in enumerate(layout.capture) if c)
+            cap_rows = layout.capture_rows
             y, ssm, conv, kept = gdn_mixer_cuda.gdn_mixer_cuda(
                 self.proj.joined(x),
                 layout.pad_index,
@@ -264,7 +264,7 @@ def recurrence(
 
     Capture rows (short verify runs) take the stepwise path; the others the fast path.
     """
-    cap_rows = tuple(b for b, c in enumerate(layout.capture) if c)
+    cap_rows = layout.capture_rows
     if not cap_rows:
         o, final = gated_delta(q, k, v, g, beta, ssm, tiled)
         return o, final, None
