@@ -357,6 +357,23 @@ def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 
 
+def median_ms(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
+    """Median milliseconds of `fn()` over `reps` calls after `warmup` untimed ones, each
+    waited for on the device (`mx.synchronize`) so a GPU's queued work is counted."""
+    import mlx.core as mx
+
+    for _ in range(warmup):
+        fn()
+    mx.synchronize()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        mx.synchronize()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
 STATS: dict[str, Callable[[Sequence[float]], float]] = {"best": max, "median": median}
 """How the table sums up a contender's tok/s samples. "best": on a shared machine noise only
 ever slows a run down, so the fastest sample is the least disturbed one."""

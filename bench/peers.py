@@ -55,12 +55,11 @@ class Ours:
     ) -> None:
         import mlx.core as mx
 
-        from engine.gguf import GGUFFile
-        from engine.models.qwen35 import Model
+        from engine.models.qwen35 import load_model
 
         self.name = name
         # dense: quantized matrices dequantized at load (the daemon's weights = "dense")
-        self.model = Model(GGUFFile(path, quantized=not dense), dtype=getattr(mx, dtype))
+        self.model = load_model(path, getattr(mx, dtype), dense)
         self.kv_dtype = getattr(mx, kv_dtype)
         self.compile = compile
         self.runners: dict[tuple[int, int], tuple[Any, list[Any]]] = {}  # compiled steps stay warm

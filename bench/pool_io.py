@@ -10,30 +10,16 @@ median ms of each, evaluated and synchronised (ssm and conv state; reads include
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 from pathlib import Path
 
+import harness
 import mlx.core as mx
-import numpy as np
 from step_roofline import DTYPES, add_model_args, ensure_model
 
 from engine.cache import SlotPool
 from engine.gguf import GGUFFile
 from engine.models.qwen35 import Model
 from engine.runner import ModelRunner, Row
-
-
-def median_ms(fn: Callable[[], None], reps: int = 10) -> float:
-    fn()
-    mx.synchronize()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        mx.synchronize()
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
 
 
 def row_io(model: Model, n: int, dtype: mx.Dtype) -> list[float]:
@@ -62,7 +48,7 @@ def row_io(model: Model, n: int, dtype: mx.Dtype) -> list[float]:
     def slice_read() -> None:
         mx.eval(pool.read(slots, 192))
 
-    return [median_ms(f) for f in (gather, slice_read, scatter, slice_write)]
+    return [harness.median_ms(f, 10) for f in (gather, slice_read, scatter, slice_write)]
 
 
 def main() -> None:

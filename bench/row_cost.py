@@ -12,27 +12,13 @@ run it with OpenBLAS preloaded (LD_PRELOAD) to see a BLAS serve the extra tokens
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
-import harness  # noqa: F401  (puts the repository root on sys.path)
+import harness  # (also puts the repository root on sys.path)
 
 from engine.cache import SlotPool
-from engine.gguf import GGUFFile
-from engine.models.qwen35 import Model
+from engine.models.qwen35 import load_model
 from engine.runner import ModelRunner, Row
-
-
-def median_ms(fn: Callable[[], None], reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
 
 
 def main() -> None:
@@ -43,7 +29,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
-    model = Model(GGUFFile(args.model, quantized=not args.dense))
+    model = load_model(args.model, dense=args.dense)
     pool = SlotPool(model.config, 1, args.prompt + 2 * max(args.t), max_draft=max(args.t) - 1)
     runner = ModelRunner(model, pool)
     slot = pool.allocate()
@@ -60,7 +46,7 @@ def main() -> None:
 
         return run
 
-    one = median_ms(step(1, False), args.reps)
+    one = harness.median_ms(step(1, False), args.reps, warmup=3)
     print(
         f"{args.model} ({'dense' if args.dense else 'as stored'}), one slot after "
         f"{args.prompt} tokens; median of {args.reps} steps\n"
@@ -69,7 +55,7 @@ def main() -> None:
     print(f"| 1 token | {one:.2f} | 1.00x |")
     for t in args.t:
         for capture in (False, True):
-            ms = median_ms(step(t, capture), args.reps)
+            ms = harness.median_ms(step(t, capture), args.reps, warmup=3)
             kind = "verify (capture)" if capture else "plain"
             print(f"| {t} tokens, {kind} | {ms:.2f} | {ms / one:.2f}x |")
 

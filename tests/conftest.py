@@ -31,8 +31,7 @@ os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 from engine.dflash_writer import DFLASH_PRESETS, DFlashSpec, write_dflash
 from engine.writer import ModelSpec, preset, write_dequantized, write_model
-
-DEMO_MODEL = Path(__file__).resolve().parent.parent / "models" / "slotserve-demo.gguf"
+from transport.daemon.demo import DEMO_MODEL
 
 HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 

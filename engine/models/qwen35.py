@@ -506,5 +506,7 @@ def _arrays(obj: object, seen: set[int] | None = None) -> list[mx.array]:
     return []
 
 
-def load_model(path: str | Path, dtype: mx.Dtype = mx.float32) -> Model:
-    return Model(GGUFFile(path), dtype)
+def load_model(path: str | Path, dtype: mx.Dtype = mx.float32, dense: bool = False) -> Model:
+    """The model in the GGUF file at `path`; `dense`: quantized matrices dequantized at load
+    (the daemon's `weights = "dense"`)."""
+    return Model(GGUFFile(path, quantized=not dense), dtype)

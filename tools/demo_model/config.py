@@ -92,10 +92,6 @@ class Recipe(Schedule):
     spec: dict[str, Any] = field(default_factory=lambda: dict(FULL_SPEC))
     mtp_weight: float = 0.3  # the MTP loss's share of the objective
 
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Recipe:
-        return cls(**data)
-
 
 RECIPES = {
     "full": Recipe(),

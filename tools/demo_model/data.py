@@ -141,6 +141,14 @@ def pack(out: Path) -> dict[str, Any]:
     return stats
 
 
+def file_vocab_digest(path: Path) -> str:
+    """`vocab_digest` of the vocabulary in the GGUF file at `path`."""
+    from engine.gguf import TensorFile
+
+    md = TensorFile(path).metadata
+    return vocab_digest(md["tokenizer.ggml.tokens"], md["tokenizer.ggml.merges"])
+
+
 def load_ids(path: Path) -> tuple[np.ndarray, np.ndarray, str]:
     """(train ids, held-out ids, vocabulary digest) from a packed `ids.npz`."""
     with np.load(path) as z:

@@ -61,10 +61,6 @@ class DFlashRecipe(Schedule):
             fields["target_layers"] = tuple(self.target_layers)
         return fields
 
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> DFlashRecipe:
-        return cls(**{**data, "target_layers": tuple(data["target_layers"])})
-
 
 DFLASH_RECIPES = {
     # the demo model's drafter: ~3.7M parameters, ~7.5 MB as f16

@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from tools.demo_model.data import load_ids, vocab_digest
+from tools.demo_model.data import file_vocab_digest, load_ids
 from tools.demo_model.dflash import DFlashRecipe, DraftForward, init_drafter, load_target
 from tools.demo_model.model import Forward, Params
 from tools.demo_model.train import (
@@ -97,20 +97,13 @@ def drafter_spec(target: Path, r: DFlashRecipe, train_ids: np.ndarray) -> Any:
     return dataclasses.replace(spec, mask_token_id=int(unused[-1])) if unused.size else spec
 
 
-def target_vocab_digest(target: Path) -> str:
-    from engine.gguf import TensorFile
-
-    md = TensorFile(target).metadata
-    return vocab_digest(md["tokenizer.ggml.tokens"], md["tokenizer.ggml.merges"])
-
-
 def dflash_train(
     recipe: DFlashRecipe, target: Path, ids_path: Path, out: Path, opts: RunOptions
 ) -> Progress:
     """Train `recipe`'s drafter for the model file `target` on the ids at `ids_path` (packed
     with the target's vocabulary); weights and logs go under `out`."""
     train_ids, heldout_ids, digest = load_ids(ids_path)
-    if target_vocab_digest(target) != digest:
+    if file_vocab_digest(target) != digest:
         raise ValueError(f"{ids_path}: not packed with the vocabulary of {target}")
     spec = drafter_spec(target, recipe, train_ids)
     hyper, target_params = load_target(target)

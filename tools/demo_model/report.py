@@ -22,7 +22,7 @@ from engine.spec.drafters import MTPDrafter
 from engine.spec.offline import Request, generate
 from engine.spec.speculator import Speculator
 from engine.tokenizer import Tokenizer
-from tools.demo_model.data import load_ids, vocab_digest
+from tools.demo_model.data import file_vocab_digest, load_ids
 
 
 def held_out_perplexity(model: Model, ids: np.ndarray, window: int, n_windows: int) -> float:
@@ -86,9 +86,8 @@ def report(path: Path, data: Path, quick: bool = False) -> dict[str, Any]:
     t0 = time.perf_counter()
     f = GGUFFile(path)
     tok = Tokenizer.from_metadata(f.metadata, str(path))
-    md = f.metadata
     _, heldout, digest = load_ids(data / "ids.npz")
-    if vocab_digest(md["tokenizer.ggml.tokens"], md["tokenizer.ggml.merges"]) != digest:
+    if file_vocab_digest(path) != digest:
         raise ValueError(f"{path}: its vocabulary is not the one {data}/ids.npz was packed with")
     model = Model(f)
     window, n_windows = (128, 2) if quick else (512, 32)

@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from tools.demo_model.config import Recipe, Schedule
+from tools.demo_model.data import load_ids
 from tools.demo_model.model import Forward, Hyper, Params, fused_attention_trains, init_params
 
 BETAS = (0.9, 0.95)
@@ -325,8 +326,7 @@ def fit(job: Job, train_ids: np.ndarray, out: Path, opts: RunOptions) -> Progres
 def train(recipe: Recipe, ids_path: Path, out: Path, opts: RunOptions) -> Progress:
     """Train the demo model `recipe` on the packed ids at `ids_path` (`fit`, selecting the
     weights by held-out loss); write weights and logs under `out`."""
-    with np.load(ids_path) as z:
-        train_ids, heldout_ids, digest = z["train"], z["heldout"], str(z["vocab_digest"])
+    train_ids, heldout_ids, digest = load_ids(ids_path)
     hyper = Hyper.from_spec(recipe.spec)
     if int(train_ids.max()) >= hyper.vocab_size:
         raise ValueError(f"{ids_path}: ids reach {train_ids.max()}, vocab is {hyper.vocab_size}")

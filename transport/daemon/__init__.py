@@ -32,7 +32,7 @@ import mlx.core as mx
 import scheduler as s
 from engine.cache import SlotPool
 from engine.gguf import GGUFFile
-from engine.models.qwen35 import Model
+from engine.models.qwen35 import load_model
 from engine.runner import ModelRunner
 from engine.spec.dflash import load_dflash
 from engine.spec.drafters import DFlashDrafter
@@ -86,7 +86,7 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
     # "dense": quantized matrices dequantized to floats at load — on a CPU MLX's quantized
     # matmul costs the same per token however many rows share a step, a BLAS GEMM does not
     dtype = compute_dtype(config.dtype)
-    model = Model(GGUFFile(path, quantized=config.weights == "stored"), dtype=dtype)
+    model = load_model(path, dtype, dense=config.weights == "dense")
     tokenizer = Tokenizer.from_metadata(GGUFFile(path).metadata)
     cfg = model.config
     log.info(
