@@ -59,9 +59,9 @@ class SamplingParams:
 
     @functools.cached_property
     def argmax_only(self) -> bool:
-        """The token is the argmax of the model's own logits and nothing else is asked:
-        greedy, no penalty, no logit bias, no log-probabilities."""
-        return self.greedy and not self.penalized and not self.logit_bias and not self.logprobs
+        """The token is the argmax of the model's own logits: greedy, no penalty, no logit
+        bias (`adjust_logits` leaves such a row as it is)."""
+        return self.greedy and not self.penalized and not self.logit_bias
 
     def validate(self, vocab_size: int) -> None:
         checks = [

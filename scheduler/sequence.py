@@ -108,10 +108,6 @@ class Sequence:
             min((b for b in self.snapshot_at if b > self.prefilled), default=end) - self.prefilled
         )
 
-    @property
-    def committed(self) -> int:
-        return len(self.output) + len(self._unpublished)
-
     def commit(self, tokens: list[int], logprobs: list[TokenLogprob]) -> None:
         """Take a step's tokens: stop at a stop token or at max_tokens (dropping the rest),
         and advance the decode state when the sequence goes on (`remaining` keeps the

@@ -8,6 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from engine.gguf import QuantizedWeight
 from transport import cli
 from transport.config import KEYS, ConfigError, DaemonConfig, load
 from transport.daemon import build_scheduler, compute_dtype
@@ -176,10 +177,35 @@ def test_dtype_and_compile_settings_reach_the_model_and_runner(model: Path) -> N
     for bad in ({"dtype": "f8"}, {"compile": "yes"}):
         with pytest.raises(ConfigError, match=rf"{next(iter(bad))}.*expected one of"):
             load(None, {}, no_flags(model=str(model), **bad))
-    assert compute_dtype("auto") == (mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32)
+    assert compute_dtype("float16") == mx.float16
+    try:  # "auto" follows the default device
+        mx.set_default_device(mx.cpu)
+        assert compute_dtype("auto") == mx.float32
+        if mx.cuda.is_available() or mx.metal.is_available():
+            mx.set_default_device(mx.gpu)
+            assert compute_dtype("auto") == mx.bfloat16
+    finally:
+        mx.set_default_device(
+            mx.gpu if mx.cuda.is_available() or mx.metal.is_available() else mx.cpu
+        )
     env = {"SLOTSERVE_DTYPE": "bfloat16", "SLOTSERVE_COMPILE": "on", "SLOTSERVE_PREFIX_CACHE": ""}
     config = load(None, env, no_flags(model=str(model), slots="2", context="64"))
     scheduler, _ = build_scheduler(config)
     runner = scheduler.runner
     assert runner.compile and runner.pool.kv_dtype == mx.bfloat16
     assert runner.model.dtype == mx.bfloat16
+
+
+def test_dense_weights_are_dequantized_at_load_and_stored_ones_are_not(
+    make_model: Callable[..., Path],
+) -> None:
+    """`weights`: the model the daemon builds holds a q8_0 file's matrices quantized
+    (`stored`) or as floats (`dense`)."""
+    q8 = make_model("tiny", quant="q8_0")
+    built = {}
+    for weights in ("stored", "dense"):
+        env = {"SLOTSERVE_WEIGHTS": weights, "SLOTSERVE_PREFIX_CACHE": ""}
+        scheduler, _ = build_scheduler(load(None, env, no_flags(model=str(q8), slots="1")))
+        built[weights] = scheduler.runner.model.tok_embd
+    assert isinstance(built["stored"], QuantizedWeight)
+    assert isinstance(built["dense"], mx.array)

@@ -156,7 +156,7 @@ class StatsBySlot(dict[SlotId, SpecStats]):
 _NO_DRAFT = Draft()  # shared by plain rows; never changed
 
 
-@dataclass(eq=False)  # (compared by identity: `_PLAIN` is found among a step's plans in C)
+@dataclass(eq=False)  # (compared by identity: `None in plans` stays a scan in C)
 class _Plan:
     drafter: str
     draft: Draft
@@ -186,7 +186,10 @@ def sample_rows(
     histories: Sequence[Sequence[int]],
     rngs: Sequence[RequestRng],
 ) -> tuple[list[int], mx.array]:
-    """Sample one token per row of `logits [N, V]`; returns (tokens, adjusted logits)."""
+    """Sample one token per row of `logits [N, V]`; returns (tokens, adjusted logits). A
+    step whose every row is `argmax_only` (the common one) is one argmax."""
+    if all(map(_ARGMAX_ONLY, params)):
+        return greedy_tokens(logits).tolist(), logits
     adjusted = adjust_logits(logits, params, histories)
     return sample(adjusted, params, rngs).tolist(), adjusted
 
@@ -379,7 +382,7 @@ class Speculator:
         else:
             for slot in slots:
                 del self._plans[slot]
-        ks = [] if plans.count(_PLAIN) == len(plans) else [len(p.draft.tokens) for p in plans]
+        ks = [len(p.draft.tokens) for p in plans] if self.max_draft else []
         resolved: PlainStep | list[Committed]
         if any(ks):
             resolved = self._accept(decoding, plans, outputs, ks)
@@ -399,13 +402,10 @@ class Speculator:
         """A step without drafts: one token per slot, sampled (`sample`) with no acceptance.
         The same tokens `_accept` would give for K = 0, at a fraction of its cost."""
         params = list(map(_params_of, decoding))
-        logits = last_logits(outputs)
-        if all(map(_ARGMAX_ONLY, params)):  # what adjust_logits and sample come to then
-            tokens, adjusted, logprob_rows = greedy_tokens(logits).tolist(), logits, []
-        else:  # (adjust_logits reads a history only for a penalized row)
-            adjusted = adjust_logits(logits, params, [d.history for d in decoding])
-            tokens = sample(adjusted, params, [d.rng for d in decoding]).tolist()
-            logprob_rows = [i for i, p in enumerate(params) if p.logprobs]
+        tokens, adjusted = sample_rows(
+            last_logits(outputs), params, [d.history for d in decoding], [d.rng for d in decoding]
+        )
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs]
         if self.drafters:
             for slot, plan, out in zip(slots, plans, outputs, strict=True):
                 self._commit(slot, plan, out, 0, 0)
