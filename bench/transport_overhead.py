@@ -57,7 +57,6 @@ from engine.tokenizer import Tokenizer
 from engine.writer import preset, write_model
 from scheduler import (
     Delta,
-    EventSink,
     Finished,
     FinishReason,
     Request,
@@ -133,15 +132,9 @@ class StubScheduler:
         self.step_ends: list[float] = []
         self._live: dict[str, tuple[StepSink, Any, list[int]]] = {}
 
-    def submit(
-        self,
-        request: Request,
-        sink: EventSink | None = None,
-        group: StepSink | None = None,
-        key: Any = None,
-    ) -> RequestHandle:
+    def submit(self, request: Request, *, group: StepSink, key: Any) -> RequestHandle:
+        """`Serves.submit`: what the Server calls."""
         assert request.request_id is not None and request.max_tokens is not None
-        assert group is not None, "the stub serves the Server, which submits into a group"
         self._live[request.request_id] = (group, key, [0, request.max_tokens])
         return RequestHandle(request.request_id, len(PROMPT), None, self.cancel)
 
@@ -191,7 +184,7 @@ async def serve_and_load(
     scheduler = Scheduler(
         runner, tokenizer, SchedulerConfig(max_queue=2 * n, max_batch_tokens=max(512, 2 * n))
     )
-    stub = StubScheduler(step_ms / 1000, pool.config.n_vocab)
+    stub = StubScheduler(step_ms / 1000, pool.config.n_vocab)  # Server(stub) checks it is a Serves
     info = ModelInfo.of(scheduler, "tiny")
     with tempfile.TemporaryDirectory() as tmp:
         config = ServerConfig(endpoints=(f"ipc://{tmp}/s.sock",), max_outstanding=per_client)

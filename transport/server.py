@@ -80,15 +80,10 @@ class ServerConfig:
 
 
 class Serves(Protocol):
-    """What the server needs of a scheduler (`scheduler.Scheduler` is the one)."""
+    """What the server needs of a scheduler (`scheduler.Scheduler` is the one): requests
+    submitted into a connection's step sink."""
 
-    def submit(
-        self,
-        request: s.Request,
-        sink: s.EventSink | None = None,
-        group: s.StepSink | None = None,
-        key: Any = None,
-    ) -> s.RequestHandle: ...
+    def submit(self, request: s.Request, *, group: s.StepSink, key: Any) -> s.RequestHandle: ...
 
     def cancel(self, request_id: str) -> bool: ...
 
@@ -124,7 +119,7 @@ class _Session:
     closed: bool = False  # dropped: nothing more is sent
     cancel_note: str | None = None  # why the server cancelled this session's requests
     minor: int = p.PROTOCOL_MINOR  # the client's protocol minor: nothing newer is sent
-    sink: _SessionSink | None = None  # where its requests' events come (set with the session)
+    sink: _SessionSink = field(init=False)  # where its requests' events come (set at once)
 
 
 class _SessionSink:
