@@ -42,7 +42,6 @@ from engine.spec.speculator import (
     PlainStep,
     SpecStats,
     Speculator,
-    StatsBySlot,
     sample_rows,
 )
 from scheduler.outcome import TokenLogprob
@@ -116,7 +115,7 @@ def prefill_chunks(prefilling: Sequence[Seq], budget: int, max_chunk: int) -> li
     return chunks
 
 
-HOST_ONLY = (int, float, str, bool, type(None), SpecStats, StatsBySlot, CostController)
+HOST_ONLY = (int, float, str, bool, type(None), SpecStats, CostController)
 """Types that hold no MLX arrays: `materialize` does not look inside them (the per-slot
 telemetry and the cost controller's estimates would cost a walk per step)."""
 

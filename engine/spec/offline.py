@@ -87,12 +87,13 @@ def generate(speculator: Speculator, requests: Sequence[Request]) -> Run:
                 len(c.tokens[: d.remaining]) for d, c in zip(decoding, committed, strict=True)
             )
         for i, d, c in zip(active, decoding, committed, strict=True):
+            run.stats[i].record(c.drafter, c.drafted, c.accepted)
             run.tokens[i] += c.tokens[: d.remaining]
             d.history += c.tokens
             d.pending = c.tokens[-1]
         for i in [i for i in active if len(run.tokens[i]) >= requests[i].max_tokens]:
             active.remove(i)
-            run.stats[i] = speculator.release(slots[i])
+            speculator.release(slots[i])
     run.decode_s = time.perf_counter() - t1
     for s in slots:
         pool.free(s)

@@ -148,11 +148,6 @@ class SpecStats:
             self.accepted_at_depth[d] += 1
 
 
-class StatsBySlot(dict[SlotId, SpecStats]):
-    """Each slot's telemetry: host numbers only (a type of its own, so that a walk for MLX
-    arrays can pass over it without looking at every slot's entry)."""
-
-
 _NO_DRAFT = Draft()  # shared by plain rows; never changed
 
 
@@ -225,9 +220,6 @@ class Speculator:
         self.layers: tuple[int, ...] = taps.pop() if taps else ()
         self.controller = controller if controller is not None else CostController()
         self._plans: dict[SlotId, _Plan] = {}
-        self._stats = StatsBySlot()
-        # Plain steps per slot not yet in its SpecStats: counted for a whole step at once
-        self._plain_steps = np.zeros(runner.pool.n_slots, dtype=np.int64)
         self._cycle: tuple[float, int, int] | None = None  # start, row tokens, depth
         self._graphs_at_plan = 0  # the runner's `graphs_made` when the cycle was planned
 
@@ -262,15 +254,13 @@ class Speculator:
                 if d.needs_hidden(row.slot):
                     d.observe(row.slot, row.start, output.hidden, output.taps)
 
-    def release(self, slot: SlotId) -> SpecStats:
-        """Forget the slot's request (call when it ends); returns its telemetry."""
+    def release(self, slot: SlotId) -> None:
+        """Forget the slot's request (call when it ends). Its telemetry is the caller's, from
+        each step's `Committed` (`SpecStats.record`)."""
         self._plans.pop(slot, None)
         for d in self.drafters:
             d.release(slot)
         self.controller.forget(slot)
-        stats = self.stats(slot)
-        del self._stats[slot]
-        return stats
 
     def export(self, slot: SlotId) -> dict[str, DrafterState]:
         """The drafters' state for `slot`, by drafter name (for a snapshot of the slot)."""
@@ -293,16 +283,6 @@ class Speculator:
         """Bytes a speculating sequence of `context_tokens` holds in the drafters' own pools
         (on top of `SlotPool.bytes_for`; a sequence with speculation off holds none)."""
         return sum(d.bytes_for(context_tokens) for d in self.drafters) if self.max_draft else 0
-
-    def stats(self, slot: SlotId) -> SpecStats:
-        stats = self._stats.get(slot)
-        if stats is None:  # (not setdefault: that would build a SpecStats every call)
-            stats = self._stats[slot] = SpecStats()
-        plain = int(self._plain_steps[slot])
-        if plain:
-            stats.record_plain(plain)
-            self._plain_steps[slot] = 0
-        return stats
 
     # -- a step ---------------------------------------------------------------------------
     def plan(self, decoding: Sequence[DecodingSlot]) -> list[Row]:
@@ -406,11 +386,9 @@ class Speculator:
             last_logits(outputs), params, [d.history for d in decoding], [d.rng for d in decoding]
         )
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs]
-        if self.drafters:
+        if self.drafters:  # they follow the trunk
             for slot, plan, out in zip(slots, plans, outputs, strict=True):
                 self._commit(slot, plan, out, 0, 0)
-        else:  # no drafter observes the trunk: only the slots' steps are counted
-            self._plain_steps[slots] += 1
         return PlainStep(tokens, adjusted, logprob_rows)
 
     def _accept(
@@ -490,7 +468,8 @@ class Speculator:
         return self.layers if any(d.layers and d.needs_hidden(slot) for d in self.drafters) else ()
 
     def _commit(self, slot: SlotId, plan: _Plan, out: RowOutput, k: int, accepted: int) -> None:
-        """Tell drafters and telemetry what the slot kept (its rollback, if any, is done)."""
+        """Tell the drafters and the cost controller what the slot kept (its rollback, if any,
+        is done)."""
         if out.hidden is not None:
             taps = None if out.taps is None else out.taps[: accepted + 1]
             for d in self.drafters:
@@ -498,7 +477,6 @@ class Speculator:
                     d.observe(slot, plan.length, out.hidden[: accepted + 1], taps)
         if k:
             self.controller.observe_round(slot, plan.drafter, k, accepted)
-        self.stats(slot).record(plan.drafter, k, accepted)
 
     def _observe_cycle(self, width: int) -> None:
         """Time plan -> step -> resolve, unless other rows (prefill) shared the step."""
