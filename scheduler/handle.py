@@ -74,6 +74,11 @@ class Outlet:
     def close(self) -> None:
         pass
 
+    def failed(self, e: Exception) -> str:
+        """Record that the sink raised `e` (the first failure is kept); why it stopped."""
+        self.failure = self.failure or f"the event sink failed: {type(e).__name__}: {e}"
+        return self.failure
+
 
 class StreamOutlet(Outlet):
     """Into a memory stream without bound (the scheduler never waits for a consumer), read
@@ -107,7 +112,7 @@ class SinkOutlet(Outlet):
             self.sink(event)
         except Exception as e:
             log.exception("%s: the event sink failed on %s", self.request_id, type(event).__name__)
-            self.failure = self.failure or f"the event sink failed: {type(e).__name__}: {e}"
+            self.failed(e)
             return False
         return True
 
@@ -117,12 +122,13 @@ class GroupOutlet(SinkOutlet):
     sharing the sink into one `deltas` call itself (`Scheduler._publish`); `emit` delivers
     one event alone, as a `SinkOutlet` does."""
 
+    group: StepSink  # (never None here)
+
     def __init__(self, request_id: str, group: StepSink, key: Any) -> None:
         super().__init__(request_id, self._to_group)
         self.group, self.key = group, key
 
     def _to_group(self, event: Event) -> None:
-        assert self.group is not None
         if isinstance(event, Delta):
             self.group.deltas([(self.key, event)])
         else:

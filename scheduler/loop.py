@@ -469,10 +469,8 @@ class Scheduler:
                 group.deltas(items)
             except Exception as e:  # the sink took none of them, or some: they all end
                 log.exception("the step sink failed on %d Deltas (%s, ...)", len(seqs), seqs[0].id)
-                failure = f"the event sink failed: {type(e).__name__}: {e}"
                 for seq in seqs:
-                    seq.events.failure = seq.events.failure or failure
-                    self._finish(seq, FinishReason.ERROR, seq.events.failure)
+                    self._finish(seq, FinishReason.ERROR, seq.events.failed(e))
         for seq, ending in ended:
             self._finish(seq, ending)  # (nothing, if a failed sink has ended it already)
         self._counters.generated_tokens += generated
