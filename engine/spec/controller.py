@@ -31,8 +31,9 @@ acceptance rate alone.
   they are dear and the drafter hopeless (a few percent of steps either way). A width that has not run plain for
   `remeasure_every` steps runs plain once to re-measure, and a depth not measured at a
   width for as many steps counts as unmeasured again (so it is predicted from the
-  others, and tried): one slow sample — a drafter's first round also feeds its head the
-  whole prompt — must not bar a depth for good.
+  others, and tried): one slow sample — a pause of the host, another process on the
+  device; the speculator already leaves out a drafter's catch-up and a step that compiled
+  a new batch shape — must not bar a depth for good.
 
 Modes per slot: "off" never drafts, "on" always drafts its full cap (so a seeded
 request replays exactly), "auto" follows the controller.
