@@ -10,6 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from engine.gguf import QuantizedWeight, TensorFile, Weight
+from engine.kernels import gemv_cuda
 
 
 class Loader:
@@ -35,11 +36,16 @@ class Loader:
 
 
 def matmul(x: mx.array, w: Weight) -> mx.array:
-    """`x @ W.T` for a float or quantized `(out, in)` matrix."""
+    """`x @ W.T` for a float or quantized `(out, in)` matrix; a decode-sized x on MLX's CUDA
+    backend through `engine.kernels.gemv_cuda`, which reads quantized weights faster."""
     if isinstance(w, QuantizedWeight):
+        if gemv_cuda.enabled() and gemv_cuda.fits(x, w):
+            return gemv_cuda.gemv_cuda(x, w)
         return mx.quantized_matmul(
             x, w.weight, w.scales, w.biases, transpose=True, group_size=w.group_size, bits=w.bits
         )
+    if gemv_cuda.dense_enabled() and gemv_cuda.fits(x, w):
+        return gemv_cuda.gemv_cuda(x, w)
     return x @ w.T
 
 

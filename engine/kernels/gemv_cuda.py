@@ -1,0 +1,188 @@
+"""Decode-sized matrix products `x @ W.T` (at most `MAX_ROWS` rows of x) as ONE CUDA kernel
+that streams each weight once, for float matrices and for MLX's affine 8- and 4-bit layout.
+
+A decode step multiplies a handful of rows by every weight matrix of the model: the step's
+time is the time to read the weights. Each warp owns `OUTS` consecutive outputs for all rows
+of x and walks their weight rows along K, each lane 16 bytes per row per round (8 bf16, 16
+8-bit or 32 4-bit values; for the quantized ones inside one quantization group), `U` rounds'
+loads issued before any is used. It dequantizes in registers — a quantized value becomes the
+float `2^23 + q` by bit operations, not the slower int-to-float conversion — accumulates in
+f32 against the x values it needs (read through the cache, shared by all warps) and reduces
+across its lanes. A quantized group contributes `scale * sum(q * x) + bias * sum(x)`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+
+from engine.gguf import QuantizedWeight, Weight
+from engine.kernels.cuda import cached_kernel, switched_on
+
+MAX_ROWS = 8  # rows of x a launch takes (its accumulators live in registers)
+WARPS = 4  # warps per block
+_FLOATS = (mx.bfloat16, mx.float16, mx.float32)
+
+_SOURCE = """
+    constexpr int XV = 16 / sizeof(T);  // x values per 16-byte load
+    constexpr int PER_WORD = BITS < 16 ? 32 / BITS : 1;  // quantized values per 32-bit word
+    constexpr unsigned MASK = BITS < 16 ? (1u << (BITS & 15)) - 1 : 0u;
+    const int lane = threadIdx.x & 31;
+    const long row0 = (long(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * OUTS;
+    if (row0 >= N) return;  // the whole warp: its rows are past the matrix
+    const unsigned char* base = reinterpret_cast<const unsigned char*>(w);
+    float acc[R][OUTS];
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
+        #pragma unroll
+        for (int o = 0; o < OUTS; ++o) acc[r][o] = 0.0f;
+
+    for (long k0 = long(lane) * VEC; k0 < K; k0 += 32L * VEC * U) {
+        // All U rounds' loads first: U * OUTS 16-byte loads in flight per lane.
+        uint4 wq[U][OUTS];
+        float sc[U][OUTS], bi[U][OUTS];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long k = k0 + long(u) * 32 * VEC;
+            #pragma unroll
+            for (int o = 0; o < OUTS; ++o) {
+                const long row = row0 + o < N ? row0 + o : N - 1;  // spare outputs reread the last
+                if (k < K) {
+                    wq[u][o] = __ldg(reinterpret_cast<const uint4*>(base + (row * K + k) * BITS / 8));
+                    if (BITS < 16) {
+                        sc[u][o] = static_cast<float>(scales[row * (K / GS) + k / GS]);
+                        bi[u][o] = static_cast<float>(biases[row * (K / GS) + k / GS]);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long k = k0 + long(u) * 32 * VEC;
+            if (k >= K) break;
+            #pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const uint4* xs = reinterpret_cast<const uint4*>(x + r * K + k);
+                float dot[OUTS], sx = 0.0f;
+                #pragma unroll
+                for (int o = 0; o < OUTS; ++o) dot[o] = 0.0f;
+                #pragma unroll
+                for (int c = 0; c < VEC / XV; ++c) {
+                    const uint4 xu = __ldg(xs + c);
+                    const T* xt = reinterpret_cast<const T*>(&xu);
+                    #pragma unroll
+                    for (int e = 0; e < XV; ++e) {
+                        const int j = c * XV + e;  // this value's place in the lane's 16 bytes
+                        const float xe = static_cast<float>(xt[e]);
+                        sx += xe;
+                        #pragma unroll
+                        for (int o = 0; o < OUTS; ++o) {
+                            float we;
+                            if (BITS < 16) {
+                                // q as the float 2^23 + q, from its bits: no int-to-float unit
+                                const unsigned wd = reinterpret_cast<const unsigned*>(&wq[u][o])[j / PER_WORD];
+                                const unsigned q = (wd >> (BITS * (j % PER_WORD))) & MASK;
+                                we = __int_as_float(q | 0x4B000000u) - 8388608.0f;
+                            } else {
+                                we = static_cast<float>(reinterpret_cast<const W*>(&wq[u][o])[j]);
+                            }
+                            dot[o] = fmaf(we, xe, dot[o]);
+                        }
+                    }
+                }
+                #pragma unroll
+                for (int o = 0; o < OUTS; ++o)
+                    acc[r][o] += BITS < 16 ? sc[u][o] * dot[o] + bi[u][o] * sx : dot[o];
+            }
+        }
+    }
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
+        #pragma unroll
+        for (int o = 0; o < OUTS; ++o) {
+            float v = acc[r][o];
+            #pragma unroll
+            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
+            if (lane == 0 && row0 + o < N) out[r * N + row0 + o] = static_cast<T>(v);
+        }
+"""
+
+
+def enabled() -> bool:
+    """On MLX's CUDA backend, unless SLOTSERVE_FUSED_GEMV=0."""
+    return switched_on("GEMV")
+
+
+def dense_enabled() -> bool:
+    """Float matrices too, with SLOTSERVE_FUSED_GEMV_DENSE=1 (by default only quantized ones
+    take this kernel: MLX's own gemv reads float weights well)."""
+    return enabled() and os.environ.get("SLOTSERVE_FUSED_GEMV_DENSE", "0") == "1"
+
+
+def fits(x: mx.array, w: Weight) -> bool:
+    """Whether `gemv_cuda(x, w)` takes this product: few rows, float x, a weight layout the
+    kernel reads in 16-byte loads (rows of whole loads, whole groups per load)."""
+    if x.dtype not in _FLOATS or x.size // x.shape[-1] > MAX_ROWS or x.size == 0:
+        return False
+    K = x.shape[-1]
+    if isinstance(w, QuantizedWeight):
+        per_load = 128 // w.bits
+        return (
+            w.bits in (4, 8)
+            and w.shape[1] == K
+            and w.group_size % per_load == 0
+            and K % w.group_size == 0
+            and w.scales.dtype in _FLOATS
+        )
+    return w.ndim == 2 and w.shape[1] == K and w.dtype == x.dtype and K * w.itemsize % 16 == 0
+
+
+def gemv_cuda(x: mx.array, w: Weight, outs: int = 4, unroll: int = 1) -> mx.array:
+    """`x @ W.T` for `x` `[..., K]` with at most `MAX_ROWS` rows and `W` `(N, K)` (float in
+    x's dtype, or affine-quantized), in x's dtype; `fits(x, w)` must hold. `outs` outputs
+    per warp, `unroll` rounds of loads in flight (tuning knobs, `bench/gemv_bench.py`)."""
+    if not fits(x, w):
+        raise ValueError(f"gemv_cuda: x {x.shape} {x.dtype} does not fit this kernel's layouts")
+    K = x.shape[-1]
+    lead = x.shape[:-1]
+    R = x.size // K
+    if isinstance(w, QuantizedWeight):
+        N, bits = w.shape[0], w.bits
+        inputs = [x.reshape(R, K), w.weight, w.scales, w.biases]
+        names = ["x", "w", "scales", "biases"]
+        extra = [("S", w.scales.dtype), ("GS", w.group_size)]
+    else:
+        N, bits = w.shape[0], 8 * w.itemsize
+        inputs, names = [x.reshape(R, K), w], ["x", "w"]
+        extra = [("W", w.dtype)]
+    kernel = cached_kernel("gemv", ",".join(names), names, ["out"], _source(names))
+    (out,) = kernel(
+        inputs=inputs,
+        template=[
+            ("T", x.dtype),
+            ("R", R),
+            ("K", K),
+            ("N", N),
+            ("BITS", bits),
+            ("VEC", 128 // bits),
+            ("OUTS", outs),
+            ("U", unroll),
+            *extra,
+        ],
+        grid=(-(-N // (outs * WARPS)) * 32 * WARPS, 1, 1),
+        threadgroup=(32 * WARPS, 1, 1),
+        output_shapes=[(R, N)],
+        output_dtypes=[x.dtype],
+    )
+    return out.reshape(*lead, N)
+
+
+def _source(names: list[str]) -> str:
+    """The kernel body; a float weight has no scales to read (and its own type `W`)."""
+    if "scales" in names:
+        return "    using W = unsigned char;\n" + _SOURCE
+    return (
+        "    using S = float;\n    constexpr int GS = 1;\n"
+        "    const float* scales = nullptr; const float* biases = nullptr;\n" + _SOURCE
+    )
