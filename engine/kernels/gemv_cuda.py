@@ -5,10 +5,10 @@ A decode step multiplies a handful of rows by every weight matrix of the model: 
 time is the time to read the weights. Each warp owns `OUTS` consecutive outputs for all rows
 of x and walks their weight rows along K, each lane 16 bytes per row per round (8 bf16, 16
 8-bit or 32 4-bit values; for the quantized ones inside one quantization group), `U` rounds'
-loads issued before any is used. It dequantizes in registers — a quantized value becomes the
-float `2^23 + q` by bit operations, not the slower int-to-float conversion — accumulates in
-f32 against the x values it needs (read through the cache, shared by all warps) and reduces
-across its lanes. A quantized group contributes `scale * sum(q * x) + bias * sum(x)`.
+loads issued before any is used. It dequantizes in registers, once for all rows of x — a
+quantized value becomes the float `2^23 + q` by bit operations, not the slower int-to-float
+conversion — accumulates in f32 against the x values it needs (read through the cache, shared
+by all warps) and reduces across its lanes. A quantized group contributes `scale * sum(q * x) + bias * sum(x)`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ _SOURCE = """
     constexpr int XV = 16 / sizeof(T);  // x values per 16-byte load
     constexpr int PER_WORD = BITS < 16 ? 32 / BITS : 1;  // quantized values per 32-bit word
     constexpr unsigned MASK = BITS < 16 ? (1u << (BITS & 15)) - 1 : 0u;
+    const long K = x_shape[1], N = w_shape[0];  // read, not baked in: one build per row count
     const int lane = threadIdx.x & 31;
     const long row0 = (long(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * OUTS;
     if (row0 >= N) return;  // the whole warp: its rows are past the matrix
@@ -61,40 +62,49 @@ _SOURCE = """
         for (int u = 0; u < U; ++u) {
             const long k = k0 + long(u) * 32 * VEC;
             if (k >= K) break;
+            float dot[R][OUTS], sx[R];
             #pragma unroll
             for (int r = 0; r < R; ++r) {
-                const uint4* xs = reinterpret_cast<const uint4*>(x + r * K + k);
-                float dot[OUTS], sx = 0.0f;
+                sx[r] = 0.0f;
                 #pragma unroll
-                for (int o = 0; o < OUTS; ++o) dot[o] = 0.0f;
+                for (int o = 0; o < OUTS; ++o) dot[r][o] = 0.0f;
+            }
+            #pragma unroll
+            for (int c = 0; c < VEC / XV; ++c) {
+                // This load's XV weights of every output, dequantized once for all rows of x.
+                float wf[OUTS][XV];
                 #pragma unroll
-                for (int c = 0; c < VEC / XV; ++c) {
-                    const uint4 xu = __ldg(xs + c);
+                for (int o = 0; o < OUTS; ++o)
+                    #pragma unroll
+                    for (int e = 0; e < XV; ++e) {
+                        const int j = c * XV + e;  // the value's place in the lane's 16 bytes
+                        if (BITS < 16) {
+                            // q as the float 2^23 + q, from its bits: no int-to-float unit
+                            const unsigned wd = reinterpret_cast<const unsigned*>(&wq[u][o])[j / PER_WORD];
+                            const unsigned q = (wd >> (BITS * (j % PER_WORD))) & MASK;
+                            wf[o][e] = __int_as_float(q | 0x4B000000u) - 8388608.0f;
+                        } else {
+                            wf[o][e] = static_cast<float>(reinterpret_cast<const W*>(&wq[u][o])[j]);
+                        }
+                    }
+                #pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const uint4 xu = __ldg(reinterpret_cast<const uint4*>(x + r * K + k) + c);
                     const T* xt = reinterpret_cast<const T*>(&xu);
                     #pragma unroll
                     for (int e = 0; e < XV; ++e) {
-                        const int j = c * XV + e;  // this value's place in the lane's 16 bytes
                         const float xe = static_cast<float>(xt[e]);
-                        sx += xe;
+                        sx[r] += xe;
                         #pragma unroll
-                        for (int o = 0; o < OUTS; ++o) {
-                            float we;
-                            if (BITS < 16) {
-                                // q as the float 2^23 + q, from its bits: no int-to-float unit
-                                const unsigned wd = reinterpret_cast<const unsigned*>(&wq[u][o])[j / PER_WORD];
-                                const unsigned q = (wd >> (BITS * (j % PER_WORD))) & MASK;
-                                we = __int_as_float(q | 0x4B000000u) - 8388608.0f;
-                            } else {
-                                we = static_cast<float>(reinterpret_cast<const W*>(&wq[u][o])[j]);
-                            }
-                            dot[o] = fmaf(we, xe, dot[o]);
-                        }
+                        for (int o = 0; o < OUTS; ++o) dot[r][o] = fmaf(wf[o][e], xe, dot[r][o]);
                     }
                 }
+            }
+            #pragma unroll
+            for (int r = 0; r < R; ++r)
                 #pragma unroll
                 for (int o = 0; o < OUTS; ++o)
-                    acc[r][o] += BITS < 16 ? sc[u][o] * dot[o] + bi[u][o] * sx : dot[o];
-            }
+                    acc[r][o] += BITS < 16 ? sc[u][o] * dot[r][o] + bi[u][o] * sx[r] : dot[r][o];
         }
     }
     #pragma unroll
@@ -162,8 +172,6 @@ def gemv_cuda(x: mx.array, w: Weight, outs: int = 4, unroll: int = 1) -> mx.arra
         template=[
             ("T", x.dtype),
             ("R", R),
-            ("K", K),
-            ("N", N),
             ("BITS", bits),
             ("VEC", 128 // bits),
             ("OUTS", outs),
