@@ -9,7 +9,7 @@
    each; p50 / p95 over all requests, and the burst's aggregate tokens/s.
 
     python bench/scheduler_overhead.py [--preset demo | --model FILE.gguf] [--n 32] [--compile]
-                                       [--blas openblas]
+                                       [--blas openblas] [--ragged] [--ttft-only]
 
 Prints a markdown table; writes JSON to out/bench/scheduler_overhead.json.
 """
@@ -107,10 +107,16 @@ class Bench:
             await h.collect()
 
     async def ttft(
-        self, rounds: int, burst: int, prompt_len: int, max_tokens: int
+        self, rounds: int, burst: int, prompt_len: int, max_tokens: int, ragged: bool = False
     ) -> dict[str, float]:
-        """TTFT of a lone request and of `burst` requests submitted in one tick."""
+        """TTFT of a lone request and of `burst` requests submitted in one tick; `ragged`:
+        each timed request's prompt length drawn from prompt_len/2 .. 3*prompt_len/2, as a
+        service sees them (with compiled steps, prefill shapes the warm-up did not meet)."""
         scheduler = self.scheduler()
+
+        def length() -> int:
+            return self.rng.randint(prompt_len // 2, prompt_len * 3 // 2) if ragged else prompt_len
+
         lone: list[float] = []
         crowd: list[float] = []
         rates: list[float] = []
@@ -118,11 +124,11 @@ class Bench:
             await self._warm(scheduler, burst, prompt_len, max_tokens)
             await self._warm(scheduler, 1, prompt_len, max_tokens)
             for _ in range(rounds):
-                done = await scheduler.submit(self.request(prompt_len, max_tokens)).collect()
+                done = await scheduler.submit(self.request(length(), max_tokens)).collect()
                 lone.append(_ttft(done.finished.timings.ttft_s))
                 t0 = time.perf_counter()
                 handles = [
-                    scheduler.submit(self.request(prompt_len, max_tokens)) for _ in range(burst)
+                    scheduler.submit(self.request(length(), max_tokens)) for _ in range(burst)
                 ]
                 results = [await h.collect() for h in handles]
                 wall = time.perf_counter() - t0
@@ -173,6 +179,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--compile", action="store_true", help="mx.compile the step per shape")
+    p.add_argument(
+        "--ragged", action="store_true", help="TTFT prompts of random lengths (new shapes)"
+    )
+    p.add_argument("--ttft-only", action="store_true", help="skip the decode-overhead part")
     p.add_argument("--blas", default="bundled", help="bundled | openblas | a CBLAS path")
     p.add_argument("--json", default=str(OUT_DIR / "scheduler_overhead.json"))
     args = p.parse_args()
@@ -180,10 +190,10 @@ def main() -> None:
 
     path = args.model or harness.bench_model(args.preset, args.quant)
     dtype = getattr(mx, args.dtype)
-    context = max(args.prompt + args.tokens, args.prompt * 2 + 16) + 8
+    context = max(args.prompt + args.tokens, args.prompt * 3 + 16) + 8  # ragged: up to 3x
     bench = Bench(path, dtype, max(args.n, args.burst), context, args.compile)
-    over = anyio.run(bench.overhead, args.n, args.prompt, args.tokens)
-    ttft = anyio.run(bench.ttft, args.rounds, args.burst, args.prompt * 2, 16)
+    over = {} if args.ttft_only else anyio.run(bench.overhead, args.n, args.prompt, args.tokens)
+    ttft = anyio.run(bench.ttft, args.rounds, args.burst, args.prompt * 2, 16, args.ragged)
     report = {
         "bench": "scheduler_overhead",
         "model": path.name,
@@ -202,25 +212,27 @@ def main() -> None:
 
 def table(r: dict[str, Any]) -> str:
     o, t, a = r["overhead"], r["ttft"], r["args"]
-    lines = [
-        f"model {r['model']} ({a['dtype']}) on {r['device']}, compile={a['compile']}",
-        "",
-        f"| N = {a['n']} decode step | ms / step | share of wall |",
-        "|---|---:|---:|",
-    ]
-    for key, label in [
-        ("wall_ms", "wall (boundary to boundary)"),
-        ("forward_ms", "runner.step (forward)"),
-        ("draft_ms", "speculator.plan"),
-        ("sample_ms", "resolve + sampling + logprobs"),
-        ("schedule_ms", "scheduling + commit"),
-        ("publish_ms", "detokenize + stops + publish (overlapped)"),
-    ]:
-        lines.append(f"| {label} | {o[key]:.3f} | {o[key] / o['wall_ms']:.1%} |")
-    lines.append(f"| **host overhead** (wall - forward) | | **{o['host_share']:.1%}** |")
+    lines = [f"model {r['model']} ({a['dtype']}) on {r['device']}, compile={a['compile']}"]
+    if o:
+        lines += [
+            "",
+            f"| N = {a['n']} decode step | ms / step | share of wall |",
+            "|---|---:|---:|",
+        ]
+        for key, label in [
+            ("wall_ms", "wall (boundary to boundary)"),
+            ("forward_ms", "runner.step (forward)"),
+            ("draft_ms", "speculator.plan"),
+            ("sample_ms", "resolve + sampling + logprobs"),
+            ("schedule_ms", "scheduling + commit"),
+            ("publish_ms", "detokenize + stops + publish (overlapped)"),
+        ]:
+            lines.append(f"| {label} | {o[key]:.3f} | {o[key] / o['wall_ms']:.1%} |")
+        lines.append(f"| **host overhead** (wall - forward) | | **{o['host_share']:.1%}** |")
+    prompts = f"{a['prompt']}-{a['prompt'] * 3}" if a["ragged"] else f"{a['prompt'] * 2}"
     lines += [
         "",
-        f"| TTFT ({a['prompt'] * 2}-token prompts) | p50 ms | p95 ms |",
+        f"| TTFT ({prompts}-token prompts) | p50 ms | p95 ms |",
         "|---|---:|---:|",
         f"| one alone | {t['lone_p50_ms']:.1f} | {t['lone_p95_ms']:.1f} |",
         f"| {a['burst']} at once | {t['burst_p50_ms']:.1f} | {t['burst_p95_ms']:.1f} |",

@@ -114,10 +114,11 @@ class ModelRunner:
     """Runs batches of rows of one model over one slot pool.
 
     Each distinct batch shape (rows, longest row, tokens, outputs, capture rows,
-    bucketed past length) gets its own `mx.compile`d forward — the model and the
-    LM head over the rows' stacked state — so a steady decode step is one
-    compiled graph instead of a thousand separate ops; the pool is read before it
-    and written after it with one gather and one scatter per state kind.
+    bucketed past length) that recurs gets its own `mx.compile`d forward — the model
+    and the LM head over the rows' stacked state — so a steady decode step is one
+    compiled graph instead of a thousand separate ops (a shape's first step runs
+    eagerly: `COMPILE_AFTER`); the pool is read before it and written after it with
+    one gather and one scatter per state kind.
     `compile=False` runs the very same function eagerly. The `MAX_FORWARDS` most
     recently used shapes keep their forward: ragged prefills make new shapes for as
     long as the process runs, and an unbounded cache grew a daemon's memory forever.
@@ -126,6 +127,11 @@ class ModelRunner:
     PAST_BUCKET = 64  # past KV lengths are rounded up to a multiple of this ...
     PAST_LINEAR = 512  # ... up to this; beyond, compiled runners round up to a power of two
     MAX_FORWARDS = 256  # batch shapes whose forward is kept (least recently used go)
+    # A compiled runner compiles a batch shape the `compile_after`-th time it runs it; before,
+    # the step runs eagerly. Decode and verify shapes recur every step and are compiled at
+    # once; a ragged prefill's shape (its chunk lengths, the rows beside it) rarely recurs,
+    # and compiling it would cost its request tens to hundreds of ms of tracing for one step.
+    COMPILE_AFTER = 2
 
     def __init__(self, model: Model, pool: SlotPool, compile: bool = False) -> None:
         if pool.config != model.config:
@@ -134,10 +140,13 @@ class ModelRunner:
         self.pool = pool
         self.compile = compile
         self._compiled: OrderedDict[tuple[object, ...], Callable[..., Any]] = OrderedDict()
+        self._sightings: OrderedDict[tuple[object, ...], int] = OrderedDict()  # not yet compiled
+        self.compile_after = self.COMPILE_AFTER
         self.last_host_s = 0.0
         self.last_tokens = 0  # tokens of the last step, all rows together
-        # Batch shapes compiled so far: a step or draft that met a new shape also traced and
-        # compiled it (tens to hundreds of ms), so its time says nothing of a steady step.
+        # Steps (and drafts) of a compiled runner that ran a batch shape not compiled yet —
+        # eagerly, or tracing and compiling it (tens to hundreds of ms): their time says
+        # nothing of a steady step.
         self.graphs_made = 0
 
     def step(self, batch: Sequence[Row]) -> StepOutput:
@@ -272,11 +281,18 @@ class ModelRunner:
         return kept
 
     def _keep(self, key: tuple[object, ...], fn: Callable[..., Any]) -> Callable[..., Any]:
-        """Keep `fn` (compiled, in a compiled runner) for this batch shape; the least
-        recently used go past `MAX_FORWARDS`."""
+        """Keep `fn` (compiled, in a compiled runner, once the shape has come back
+        `compile_after` times; until then it runs eagerly, not kept) for this batch shape;
+        the least recently used go past `MAX_FORWARDS`."""
         if self.compile:
-            fn = mx.compile(fn)
             self.graphs_made += 1
+            seen = self._sightings.pop(key, 0) + 1
+            if seen < self.compile_after:
+                self._sightings[key] = seen
+                if len(self._sightings) > 4 * self.MAX_FORWARDS:
+                    self._sightings.popitem(last=False)
+                return fn
+            fn = mx.compile(fn)
         self._compiled[key] = fn
         if len(self._compiled) > self.MAX_FORWARDS:
             self._compiled.popitem(last=False)

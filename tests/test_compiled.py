@@ -43,6 +43,7 @@ def test_compiled_steps_verify_rollback_and_drafts_equal_eager(model: Model) -> 
         ModelRunner(model, SlotPool(model.config, 3, 160, mx.float32, max_draft=4), compile=c)
         for c in (False, True)
     ]
+    runners[1].compile_after = 1  # every shape below compiled at its first step
     rng = np.random.default_rng(7)
     prompts = [[int(t) for t in rng.integers(0, 512, n)] for n in (9, 3, 70)]
     slots = [[r.pool.allocate() for _ in prompts] for r in runners]
@@ -109,3 +110,28 @@ def test_compiled_runners_read_long_pasts_in_doubling_bands(model: Model) -> Non
         assert compiled.past_for(start) == want_compiled
     shapes = {compiled.past_for(s) for s in range(3000)}
     assert len(shapes) == 1 + 8 + 3  # 0; 64 .. 512 by 64; then 1024, 2048, 3000
+
+
+def test_a_batch_shape_is_compiled_when_it_comes_back(model: Model) -> None:
+    """A compiled runner runs a shape's first step eagerly and keeps nothing (a ragged
+    prefill's shape seldom recurs: compiling it would cost its request the tracing); the
+    second time it compiles and keeps it; the third time it only runs it. Every step counts
+    in `graphs_made` until the shape is compiled. The outputs agree throughout."""
+    pool = SlotPool(model.config, 1, 64, mx.float32)
+    runner = ModelRunner(model, pool, compile=True)
+    slot = pool.allocate()
+
+    def prefill(n: int) -> np.ndarray:
+        pool.reset(slot)
+        return np.array(runner.step([Row(slot, list(range(1, n + 1)), 0)]).rows[0].logits)
+
+    first = prefill(5)
+    assert (runner.graphs_made, runner.cached_forwards) == (1, 0)
+    second = prefill(5)
+    assert (runner.graphs_made, runner.cached_forwards) == (2, 1)
+    third = prefill(5)
+    assert (runner.graphs_made, runner.cached_forwards) == (2, 1)
+    np.testing.assert_allclose(second, first, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(third, first, rtol=1e-5, atol=1e-5)
+    prefill(6)  # another shape: eager again, nothing more kept
+    assert (runner.graphs_made, runner.cached_forwards) == (3, 1)
