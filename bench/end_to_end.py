@@ -37,11 +37,14 @@ from peers import Ours
 from scheduler_overhead import Bench, percentile
 
 from transport import loadgen, loadreport
+from transport.daemon import compiled_steps, compute_dtype
 from transport.daemon.demo import Supervised
 
 
 def engine_rounds(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
-    ours = Ours(path, kv_dtype="float16")  # the daemon's defaults: f32 compute, f16 KV
+    dtype, kv = _dtypes(args)
+    names = [str(d).rsplit(".", 1)[-1] for d in (dtype, kv)]
+    ours = Ours(path, dtype=names[0], kv_dtype=names[1], compile=compiled_steps(args.compile))
     walls = []
     for r in range(args.rounds + 1):
         prompts = [harness.prompt_tokens(args.prompt, 1000 * r + i, vocab) for i in range(args.n)]
@@ -56,7 +59,9 @@ def engine_rounds(path: Path, args: argparse.Namespace, vocab: int) -> dict[str,
 
 
 async def scheduler_rounds(path: Path, args: argparse.Namespace) -> dict[str, Any]:
-    bench = Bench(path, mx.float32, args.n, args.prompt + args.tokens + 8, compile=False)
+    dtype, kv = _dtypes(args)
+    context = args.prompt + args.tokens + 8
+    bench = Bench(path, dtype, args.n, context, compiled_steps(args.compile), kv)
     scheduler = bench.scheduler()
     ttft: list[float] = []
     tokens, wall = 0, 0.0
@@ -79,6 +84,7 @@ def daemon_rounds(path: Path, args: argparse.Namespace, tmp: Path) -> dict[str, 
     serve = ["--model", str(path), "--endpoints", endpoint, "--slots", str(args.n)]
     serve += ["--context", str(args.prompt + args.tokens + 8), "--speculation", "off"]
     serve += ["--metrics-address", "", "--blas", args.blas, "--log-level", "warning"]
+    serve += ["--dtype", args.dtype, "--compile", args.compile]
 
     def config(requests: int) -> loadgen.LoadConfig:
         return loadgen.LoadConfig(endpoint=endpoint, concurrency=args.n, requests=requests)
@@ -93,6 +99,12 @@ def daemon_rounds(path: Path, args: argparse.Namespace, tmp: Path) -> dict[str, 
     s = loadreport.summarize(timed, records)
     ttft = [t for r in records if (t := r.ttft) is not None]
     return {"tokens": s.output_tokens, "wall_s": s.wall_s, "ttft_s": ttft, "errors": s.errors}
+
+
+def _dtypes(args: argparse.Namespace) -> tuple[mx.Dtype, mx.Dtype]:
+    """Compute and K/V dtypes as the daemon picks them for its `dtype` setting."""
+    dtype = compute_dtype(args.dtype)
+    return dtype, mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
 
 
 def main() -> None:
@@ -125,7 +137,8 @@ def main() -> None:
         latency = [r.get("ttft_p50_ms", "-"), r.get("ttft_p95_ms", "-")]
         table.append([name, r["tokens"], r["tok_s"], r["ratio_to_engine"], *latency])
     print(
-        f"\n{path.name}, blas {args.blas}, N = {args.n}, {args.prompt}-token prompts, "
+        f"\n{path.name} on {mx.default_device()}, {_dtypes(args)[0]}, compiled steps "
+        f"{compiled_steps(args.compile)}, blas {args.blas}, N = {args.n}, {args.prompt}-token prompts, "
         f"{args.tokens} tokens each, {args.rounds} rounds\n"
     )
     header = ["path", "tokens", "tok/s", "/ engine", "TTFT p50 ms", "TTFT p95 ms"]
@@ -143,6 +156,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=64, help="generated tokens per request")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of N requests")
     p.add_argument("--blas", default=harness.default_blas(), help="bundled | openblas | a path")
+    p.add_argument("--dtype", default="auto", help="the daemon's dtype setting, for all three")
+    p.add_argument("--compile", default="auto", help="the daemon's compile setting, for all three")
     p.add_argument("--out", type=Path, help="JSON path")
     return p.parse_args()
 

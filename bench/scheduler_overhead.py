@@ -52,15 +52,22 @@ GREEDY = SamplingParams(temperature=0.0)
 
 class Bench:
     def __init__(
-        self, path: Path, dtype: mx.Dtype, n_slots: int, context: int, compile: bool
+        self,
+        path: Path,
+        dtype: mx.Dtype,
+        n_slots: int,
+        context: int,
+        compile: bool,
+        kv_dtype: mx.Dtype = mx.float16,
     ) -> None:
         self.model = load_model(path, dtype)
         self.tokenizer = Tokenizer.from_metadata(GGUFFile(path).metadata, str(path))
         self.n_slots, self.context, self.compile = n_slots, context, compile
+        self.kv_dtype = kv_dtype
         self.rng = random.Random(0)
 
     def scheduler(self) -> Scheduler:
-        pool = SlotPool(self.model.config, self.n_slots, self.context)
+        pool = SlotPool(self.model.config, self.n_slots, self.context, self.kv_dtype)
         runner = ModelRunner(self.model, pool, compile=self.compile)
         config = SchedulerConfig(max_batch_tokens=4096, max_prefill_chunk=512)
         return Scheduler(runner, self.tokenizer, config)

@@ -11,7 +11,7 @@ import pytest
 from engine.gguf import QuantizedWeight
 from transport import cli
 from transport.config import KEYS, ConfigError, DaemonConfig, load
-from transport.daemon import build_scheduler, compute_dtype
+from transport.daemon import build_scheduler, compiled_steps, compute_dtype
 
 EXAMPLE = Path(__file__).parent.parent / "deploy" / "slotserve.toml"
 
@@ -173,17 +173,18 @@ def test_dtype_and_compile_settings_reach_the_model_and_runner(model: Path) -> N
     daemon builds: the model's weights in that dtype, the pool's K/V beside it, compiled
     steps when asked."""
     default = load(None, {}, no_flags(model=str(model)))
-    assert (default.dtype, default.compile) == ("auto", "off")
+    assert (default.dtype, default.compile) == ("auto", "auto")
     for bad in ({"dtype": "f8"}, {"compile": "yes"}):
         with pytest.raises(ConfigError, match=rf"{next(iter(bad))}.*expected one of"):
             load(None, {}, no_flags(model=str(model), **bad))
     assert compute_dtype("float16") == mx.float16
+    assert (compiled_steps("on"), compiled_steps("off")) == (True, False)
     try:  # "auto" follows the default device
         mx.set_default_device(mx.cpu)
-        assert compute_dtype("auto") == mx.float32
+        assert (compute_dtype("auto"), compiled_steps("auto")) == (mx.float32, False)
         if mx.cuda.is_available() or mx.metal.is_available():
             mx.set_default_device(mx.gpu)
-            assert compute_dtype("auto") == mx.bfloat16
+            assert (compute_dtype("auto"), compiled_steps("auto")) == (mx.bfloat16, True)
     finally:
         mx.set_default_device(
             mx.gpu if mx.cuda.is_available() or mx.metal.is_available() else mx.cpu

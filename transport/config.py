@@ -25,7 +25,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 SPECULATION = ("off", "auto")
 WEIGHTS = ("stored", "dense")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-COMPILE = ("off", "on")
+COMPILE = ("auto", "off", "on")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
@@ -60,7 +60,7 @@ class DaemonConfig:
     blas: str = "bundled"  # BLAS under MLX's CPU backend: bundled, openblas or a library path
     weights: str = "stored"  # "stored": matrices as the file has them; "dense": dequantized
     dtype: str = "auto"  # compute dtype; "auto": bfloat16 on a GPU, float32 on the CPU
-    compile: str = "off"  # "on": mx.compile each batch shape's step (compiled once per shape)
+    compile: str = "auto"  # "on": mx.compile each recurring batch shape's step; "auto": on a GPU
 
     @property
     def max_draft(self) -> int:
@@ -218,7 +218,11 @@ KEYS = (
         "quantized matrices: stored (as the file has them) or dense (floats at load)",
     ),
     Key("dtype", _choice(DTYPES), "compute dtype: auto (bfloat16 on a GPU, else float32) or one"),
-    Key("compile", _choice(COMPILE), "mx.compile each batch shape's step: off or on"),
+    Key(
+        "compile",
+        _choice(COMPILE),
+        "mx.compile each recurring batch shape's step: auto (on a GPU), off or on",
+    ),
 )
 _BY_NAME = {k.name: k for k in KEYS}
 

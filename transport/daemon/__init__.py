@@ -99,7 +99,7 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
         cfg.n_vocab,
         config.weights,
         dtype,
-        config.compile,
+        "on" if compiled_steps(config.compile) else "off",
     )
     t0 = time.perf_counter()
     kv_dtype = mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
@@ -120,7 +120,7 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
         else s.PrefixCacheConfig(config.prefix_cache, config.prefix_cache_interval),
         fault_hook=faults.from_environment(os.environ),  # test-only; None unless set
     )
-    runner = ModelRunner(model, pool, compile=config.compile == "on")
+    runner = ModelRunner(model, pool, compile=compiled_steps(config.compile))
     speculator = None if config.dflash is None else _dflash_speculator(runner, config.dflash)
     scheduler = s.Scheduler(runner, tokenizer, sched_config, speculator)
     return scheduler, ModelInfo.of(scheduler, config.model_name or path.stem)
@@ -133,6 +133,15 @@ def compute_dtype(setting: str) -> mx.Dtype:
     if setting == "auto":
         return mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
     return getattr(mx, setting)
+
+
+def compiled_steps(setting: str) -> bool:
+    """The `compile` setting: "auto" compiles on a GPU, where a step of hundreds of eager
+    operations pays MLX's launch cost for each (every GPU benchmark runs compiled steps), and
+    not on the CPU (where the parity tests hold the eager path)."""
+    if setting == "auto":
+        return mx.default_device() == mx.gpu
+    return setting == "on"
 
 
 def _dflash_speculator(runner: ModelRunner, path: Path) -> Speculator:
