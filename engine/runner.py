@@ -23,7 +23,7 @@ import numpy as np
 
 from engine.cache import SlotId, SlotPool
 from engine.models.batch import AttentionState, Layout, LinearCapture
-from engine.models.qwen35 import Model
+from engine.models.qwen35 import Model, MTPHead
 from engine.sampling import Shaping, draw
 
 
@@ -244,9 +244,6 @@ class ModelRunner:
     def _forward_fn(
         self, key: tuple[object, ...], layout: Layout, taps: tuple[int, ...]
     ) -> Callable[..., Any]:
-        kept = self._kept(key)
-        if kept is not None:
-            return kept
         model, config = self.model, self.model.config
 
         def forward(
@@ -262,15 +259,11 @@ class ModelRunner:
             t = [] if tapped is None else [tapped[picked]]  # a list: compiled graphs return no None
             return model.logits(h).astype(mx.float32), h, new, flat, t
 
-        return self._keep(key, forward)
+        return self._kept_or(key, forward)
 
     def _draft_fn(self, key: tuple[object, ...], layout: Layout) -> Callable[..., Any]:
         """The MTP head's forward for one batch shape, compiled like the trunk's."""
-        kept = self._kept(key)
-        if kept is not None:
-            return kept
-        mtp = self.model.mtp
-        assert mtp is not None
+        mtp = self._mtp()
 
         def draft(
             inputs: list[mx.array], kv: list[mx.array]
@@ -280,7 +273,7 @@ class ModelRunner:
             logits, h, new = mtp(tokens, hidden, lay, AttentionState(*kv))
             return logits.astype(mx.float32), h, new.k, new.v
 
-        return self._keep(key, draft)
+        return self._kept_or(key, draft)
 
     def _chain_fn(
         self, key: tuple[object, ...], layout: Layout, shaping: Shaping, depth: int
@@ -288,11 +281,7 @@ class ModelRunner:
         """`depth` draws of the MTP head's draft chain and the `depth - 1` forwards between
         them, for one batch shape, compiled like the trunk's forward. Each forward's K/V
         goes into the past the next one reads, as the pool would hold it."""
-        kept = self._kept(key)
-        if kept is not None:
-            return kept
-        mtp = self.model.mtp
-        assert mtp is not None
+        mtp = self._mtp()
 
         def chain(
             inputs: list[mx.array], kv: list[mx.array]
@@ -315,18 +304,16 @@ class ModelRunner:
                 qs.append(q)
             return mx.stack(tokens, axis=1), mx.stack(qs, axis=1), ks, vs
 
-        return self._keep(key, chain)
+        return self._kept_or(key, chain)
 
-    def _kept(self, key: tuple[object, ...]) -> Callable[..., Any] | None:
-        """The forward kept for this batch shape, if any (now the most recently used)."""
+    def _kept_or(self, key: tuple[object, ...], fn: Callable[..., Any]) -> Callable[..., Any]:
+        """The forward kept for this batch shape (now the most recently used); if none, `fn`,
+        kept (compiled, in a compiled runner) — the least recently used go past
+        `MAX_FORWARDS`."""
         kept = self._compiled.get(key)
         if kept is not None:
             self._compiled.move_to_end(key)
-        return kept
-
-    def _keep(self, key: tuple[object, ...], fn: Callable[..., Any]) -> Callable[..., Any]:
-        """Keep `fn` (compiled, in a compiled runner) for this batch shape; the least
-        recently used go past `MAX_FORWARDS`."""
+            return kept
         if self.compile:
             fn = mx.compile(fn)
             self.graphs_made += 1
@@ -335,6 +322,11 @@ class ModelRunner:
             self._compiled.popitem(last=False)
         return fn
 
+    def _mtp(self) -> MTPHead:
+        if self.model.mtp is None:
+            raise BatchError(f"{self.model.path}: this model has no MTP head")
+        return self.model.mtp
+
     @property
     def cached_forwards(self) -> int:
         """Batch shapes whose forward is kept now (at most `MAX_FORWARDS`)."""
@@ -342,8 +334,7 @@ class ModelRunner:
 
     def draft(self, batch: Sequence[DraftRow]) -> list[tuple[mx.array, mx.array]]:
         """One batched MTP forward. Per row: (draft logits `[n, V]`, MTP hidden h' `[n, E]`)."""
-        if self.model.mtp is None:
-            raise BatchError(f"{self.model.path}: this model has no MTP head")
+        self._mtp()
         slots = self._validate([r.slot for r in batch], [r.tokens for r in batch])
         starts = [r.start for r in batch]
         lengths = [len(r.tokens) for r in batch]
@@ -377,8 +368,7 @@ class ModelRunner:
         chain) makes each depth's distribution q. The head's K/V of the deeper forwards is
         written to the pool at `start ..` (provisional entries, as `draft` writes them).
         Per row: (its `depth` tokens, q `[depth, V]`)."""
-        if self.model.mtp is None:
-            raise BatchError(f"{self.model.path}: this model has no MTP head")
+        self._mtp()
         slots = self._validate([r.slot for r in rows], [[0] for _ in rows])
         starts = [r.start for r in rows]
         for r in rows:
