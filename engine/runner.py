@@ -369,7 +369,7 @@ class ModelRunner:
         written to the pool at `start ..` (provisional entries, as `draft` writes them).
         Per row: (its `depth` tokens, q `[depth, V]`)."""
         self._mtp()
-        slots = self._validate([r.slot for r in rows], [[0] for _ in rows])
+        slots = self._validate([r.slot for r in rows])
         starts = [r.start for r in rows]
         for r in rows:
             if not 1 <= r.depth <= len(r.uniforms):
@@ -419,11 +419,16 @@ class ModelRunner:
             ([int(t) for t in drawn[b, : r.depth]], q[b, : r.depth]) for b, r in enumerate(rows)
         ]
 
-    def _validate(self, slots: list[SlotId], tokens: list[Sequence[int]]) -> list[SlotId]:
+    def _validate(
+        self, slots: list[SlotId], tokens: list[Sequence[int]] | None = None
+    ) -> list[SlotId]:
+        """The batch's slots, each once; each row's tokens (when given) in the vocabulary."""
         if not slots:
             raise BatchError("empty batch")
         if len(set(slots)) != len(slots):
             raise BatchError(f"a slot appears more than once in the batch: {slots}")
+        if tokens is None:
+            return list(slots)
         V = self.model.config.n_vocab
         for slot, toks in zip(slots, tokens, strict=True):
             if len(toks) == 0:

@@ -16,8 +16,8 @@ import pytest
 
 from engine.cache import SlotId, SlotPool, SlotSnapshot
 from engine.models.qwen35 import Model, load_model
-from engine.runner import ModelRunner
-from engine.sampling import RequestRng, SamplingParams
+from engine.runner import BatchError, ChainRow, DraftRow, ModelRunner
+from engine.sampling import RequestRng, SamplingParams, Shaping
 from engine.spec.drafters import Draft, DraftJob, MTPDrafter
 from engine.spec.offline import GREEDY
 from engine.spec.speculator import DecodingSlot, Speculator
@@ -123,3 +123,28 @@ def test_penalized_slots_draw_on_the_host_beside_chained_ones(model: Model) -> N
     for a_round, b_round in zip(chain.rounds, ref.rounds, strict=True):
         assert [d.tokens for d in a_round] == [d.tokens for d in b_round]
     assert chain_out == ref_out
+
+
+def test_a_chain_past_the_context_or_naming_a_slot_twice_is_refused(model: Model) -> None:
+    """Nothing runs and the pool is unchanged: the same limits as `ModelRunner.draft`."""
+    pool = SlotPool(model.config, 2, 16, mx.float32, max_draft=K)
+    runner = ModelRunner(model, pool)
+    slot = pool.allocate()
+    hidden = mx.zeros((12, model.config.n_embd))
+    logits, h = runner.draft([DraftRow(slot, list(range(1, 13)), hidden, 0)])[0]
+    kv = pool.snapshot(slot)
+
+    def row(start: int, depth: int) -> ChainRow:
+        return ChainRow(slot, logits[-1:], h[-1:], start, depth, np.full(depth, 0.5))
+
+    shaping = Shaping.of([GREEDY])
+    with pytest.raises(BatchError, match="past the context"):
+        runner.draft_chain([row(12, 6)], shaping)  # its deepest row would sit at 17
+    with pytest.raises(BatchError, match="more than once"):
+        runner.draft_chain([row(12, 2), row(12, 2)], Shaping.of([GREEDY, GREEDY]))
+    assert pool.mtp_lengths[slot] == 12
+    after = pool.snapshot(slot)
+    assert kv.mtp_kv is not None and after.mtp_kv is not None
+    for x, y in zip(kv.mtp_kv, after.mtp_kv, strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert [len(t) for t, _ in runner.draft_chain([row(12, 5)], shaping)] == [5]  # fits: 16
