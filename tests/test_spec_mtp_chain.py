@@ -40,8 +40,8 @@ class RecordingMTPDrafter(MTPDrafter):
     """The real drafter, keeping every draft it hands out and what each slot's MTP K/V in
     the pool was right after it (the drafts' provisional entries included)."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, runner: ModelRunner, on_device: bool) -> None:
+        super().__init__(runner, on_device=on_device)
         self.rounds: list[list[Draft]] = []
         self.kv: list[list[SlotSnapshot]] = []
 
@@ -107,10 +107,10 @@ def test_the_chain_draws_the_per_depth_paths_drafts_and_q(model: Model, compile:
         [ref_pool.snapshot(s) for s in ref_slots],
         strict=True,
     )
-    for a, b in [*after_drafts, *at_end]:
-        assert a.mtp_length == b.mtp_length
-        assert a.mtp_kv is not None and b.mtp_kv is not None
-        for x, y in zip(a.mtp_kv, b.mtp_kv, strict=True):
+    for got, want in [*after_drafts, *at_end]:
+        assert got.mtp_length == want.mtp_length
+        assert got.mtp_kv is not None and want.mtp_kv is not None
+        for x, y in zip(got.mtp_kv, want.mtp_kv, strict=True):
             np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
 
 
