@@ -10,6 +10,7 @@ path as N > 1.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import OrderedDict
@@ -18,10 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import mlx.core as mx
+import numpy as np
 
 from engine.cache import SlotId, SlotPool
 from engine.models.batch import AttentionState, Layout, LinearCapture
-from engine.models.qwen35 import Model
+from engine.models.qwen35 import Model, MTPHead
+from engine.sampling import Shaping, draw
 
 
 class BatchError(ValueError):
@@ -62,6 +65,21 @@ class DraftRow:
     tokens: Sequence[int]
     hidden: mx.array  # [len(tokens), E]
     start: int
+
+
+@dataclass(frozen=True)
+class ChainRow:
+    """One slot's MTP draft chain: `depth` tokens, the first drawn from `logits` `[1, V]`
+    (the head's prediction that came with its h' `hidden` `[1, E]`), each deeper one from
+    the head fed back its own h' and the token before it, at `start`, `start + 1`, ...
+    `uniforms` `[depth]`: the slot's uniform for each draw, in order."""
+
+    slot: SlotId
+    logits: mx.array
+    hidden: mx.array
+    start: int
+    depth: int
+    uniforms: np.ndarray
 
 
 Packed = tuple[mx.array, "mx.array | None", int, int]
@@ -235,9 +253,6 @@ class ModelRunner:
     def _forward_fn(
         self, key: tuple[object, ...], layout: Layout, taps: tuple[int, ...]
     ) -> Callable[..., Any]:
-        kept = self._kept(key)
-        if kept is not None:
-            return kept
         model, config = self.model, self.model.config
 
         def forward(
@@ -253,15 +268,11 @@ class ModelRunner:
             t = [] if tapped is None else [tapped[picked]]  # a list: compiled graphs return no None
             return model.logits(h).astype(mx.float32), h, new, flat, t
 
-        return self._keep(key, forward)
+        return self._kept_or(key, forward)
 
     def _draft_fn(self, key: tuple[object, ...], layout: Layout) -> Callable[..., Any]:
         """The MTP head's forward for one batch shape, compiled like the trunk's."""
-        kept = self._kept(key)
-        if kept is not None:
-            return kept
-        mtp = self.model.mtp
-        assert mtp is not None
+        mtp = self._mtp()
 
         def draft(
             inputs: list[mx.array], kv: list[mx.array]
@@ -271,19 +282,48 @@ class ModelRunner:
             logits, h, new = mtp(tokens, hidden, lay, AttentionState(*kv))
             return logits.astype(mx.float32), h, new.k, new.v
 
-        return self._keep(key, draft)
+        return self._kept_or(key, draft)
 
-    def _kept(self, key: tuple[object, ...]) -> Callable[..., Any] | None:
-        """The forward kept for this batch shape, if any (now the most recently used)."""
+    def _chain_fn(
+        self, key: tuple[object, ...], layout: Layout, shaping: Shaping, depth: int
+    ) -> Callable[..., Any]:
+        """`depth` draws of the MTP head's draft chain and the `depth - 1` forwards between
+        them, for one batch shape, compiled like the trunk's forward. Each forward's K/V
+        goes into the past the next one reads, as the pool would hold it."""
+        mtp = self._mtp()
+
+        def chain(
+            inputs: list[mx.array], kv: list[mx.array]
+        ) -> tuple[mx.array, mx.array, list[mx.array], list[mx.array]]:
+            logits, hidden, uniforms, *rest = inputs
+            lay = layout.with_arrays(rest[:5])
+            shape = shaping.with_arrays(rest[5:])
+            q = shape(logits)
+            tokens, qs, ks, vs = [draw(q, uniforms[:, 0])], [q], [], []
+            past = AttentionState(*kv) if kv else None
+            for d in range(1, depth):
+                at = dataclasses.replace(lay, row_starts=lay.row_starts + (d - 1))
+                assert past is not None
+                logits, hidden, new = mtp(tokens[-1], hidden, at, past)
+                ks.append(new.k)
+                vs.append(new.v)
+                past = _written(past, new, at.row_starts)
+                q = shape(logits.astype(mx.float32))
+                tokens.append(draw(q, uniforms[:, d]))
+                qs.append(q)
+            return mx.stack(tokens, axis=1), mx.stack(qs, axis=1), ks, vs
+
+        return self._kept_or(key, chain)
+
+    def _kept_or(self, key: tuple[object, ...], fn: Callable[..., Any]) -> Callable[..., Any]:
+        """The forward kept for this batch shape (now the most recently used); if none, `fn`,
+        kept — in a compiled runner compiled, once the shape has come `compile_after` times
+        (until then it runs eagerly, not kept); the least recently used go past
+        `MAX_FORWARDS`."""
         kept = self._compiled.get(key)
         if kept is not None:
             self._compiled.move_to_end(key)
-        return kept
-
-    def _keep(self, key: tuple[object, ...], fn: Callable[..., Any]) -> Callable[..., Any]:
-        """Keep `fn` (compiled, in a compiled runner, once the shape has come back
-        `compile_after` times; until then it runs eagerly, not kept) for this batch shape;
-        the least recently used go past `MAX_FORWARDS`."""
+            return kept
         if self.compile:
             self.graphs_made += 1
             seen = self._sightings.pop(key, 0) + 1
@@ -298,6 +338,11 @@ class ModelRunner:
             self._compiled.popitem(last=False)
         return fn
 
+    def _mtp(self) -> MTPHead:
+        if self.model.mtp is None:
+            raise BatchError(f"{self.model.path}: this model has no MTP head")
+        return self.model.mtp
+
     @property
     def cached_forwards(self) -> int:
         """Batch shapes whose forward is kept now (at most `MAX_FORWARDS`)."""
@@ -305,8 +350,7 @@ class ModelRunner:
 
     def draft(self, batch: Sequence[DraftRow]) -> list[tuple[mx.array, mx.array]]:
         """One batched MTP forward. Per row: (draft logits `[n, V]`, MTP hidden h' `[n, E]`)."""
-        if self.model.mtp is None:
-            raise BatchError(f"{self.model.path}: this model has no MTP head")
+        self._mtp()
         slots = self._validate([r.slot for r in batch], [r.tokens for r in batch])
         starts = [r.start for r in batch]
         lengths = [len(r.tokens) for r in batch]
@@ -333,11 +377,74 @@ class ModelRunner:
             at += n
         return out
 
-    def _validate(self, slots: list[SlotId], tokens: list[Sequence[int]]) -> list[SlotId]:
+    def draft_chain(
+        self, rows: Sequence[ChainRow], shaping: Shaping
+    ) -> list[tuple[list[int], mx.array]]:
+        """Every row's MTP draft chain in one graph, evaluated once; `shaping` (one row per
+        chain) makes each depth's distribution q. The head's K/V of the deeper forwards is
+        written to the pool at `start ..` (provisional entries, as `draft` writes them).
+        Per row: (its `depth` tokens, q `[depth, V]`)."""
+        self._mtp()
+        slots = self._validate([r.slot for r in rows])
+        starts = [r.start for r in rows]
+        for r in rows:
+            if not 1 <= r.depth <= len(r.uniforms):
+                raise BatchError(f"slot {r.slot}: a chain of {r.depth} draws")
+            if r.start + r.depth - 1 > self.pool.max_context:
+                raise BatchError(
+                    f"slot {r.slot}: MTP row past the context of {self.pool.max_context}"
+                )
+        K = max(r.depth for r in rows)
+        layout = Layout.build([1] * len(rows), starts)
+        kv: list[mx.array] = []
+        past = 0
+        if K > 1:  # the deepest forward reads the entries up to its start
+            past = self.past_for(max(starts) + K - 2)
+            state = self.pool.read_mtp(slots, starts, past)
+            kv = [state.k, state.v]
+        uniforms = np.zeros((len(rows), K), dtype=np.float32)
+        for b, r in enumerate(rows):
+            uniforms[b, : r.depth] = r.uniforms[: r.depth]
+        key = ("mtp-chain", layout.rows, K, past, shaping.truncate)
+        fn = self._chain_fn(key, layout, shaping, K)
+        inputs = [
+            mx.concatenate([r.logits for r in rows]),
+            mx.concatenate([r.hidden for r in rows]),
+            mx.array(uniforms),
+            *layout.arrays(),
+            *shaping.arrays,
+        ]
+        tokens, q, ks, vs = fn(inputs, kv)
+        mx.eval(tokens, q, ks, vs)  # before the pool changes, as in `step`
+        deep = [b for b, r in enumerate(rows) if r.depth > 1]
+        if deep:
+            at = mx.array(deep, dtype=mx.int32)
+            lengths = [rows[b].depth - 1 for b in deep]
+            new = AttentionState(mx.concatenate(ks, axis=1)[at], mx.concatenate(vs, axis=1)[at])
+            self.pool.write_mtp(
+                [slots[b] for b in deep],
+                [starts[b] for b in deep],
+                lengths,
+                Layout.build(lengths, [starts[b] for b in deep]),
+                new,
+            )
+            assert self.pool.mtp_k is not None and self.pool.mtp_v is not None
+            mx.async_eval(self.pool.mtp_k, self.pool.mtp_v)
+        drawn = np.array(tokens)
+        return [
+            ([int(t) for t in drawn[b, : r.depth]], q[b, : r.depth]) for b, r in enumerate(rows)
+        ]
+
+    def _validate(
+        self, slots: list[SlotId], tokens: list[Sequence[int]] | None = None
+    ) -> list[SlotId]:
+        """The batch's slots, each once; each row's tokens (when given) in the vocabulary."""
         if not slots:
             raise BatchError("empty batch")
         if len(set(slots)) != len(slots):
             raise BatchError(f"a slot appears more than once in the batch: {slots}")
+        if tokens is None:
+            return list(slots)
         V = self.model.config.n_vocab
         for slot, toks in zip(slots, tokens, strict=True):
             if len(toks) == 0:
@@ -361,6 +468,16 @@ def last_logits(outputs: Sequence[RowOutput]) -> mx.array:
         else:
             return packed[at : at + len(outputs)]
     return mx.concatenate([o.logits[-1:] for o in outputs])
+
+
+def _written(past: AttentionState, new: AttentionState, at: mx.array) -> AttentionState:
+    """`past` `[B, S, Hkv, D]` with each row's one new entry (`new`, `[B, 1, Hkv, D]`) at its
+    position `at[b]` (none where that lies past S)."""
+    hit = (mx.arange(past.k.shape[1])[None, :] == at[:, None])[:, :, None, None]
+    return AttentionState(
+        mx.where(hit, new.k.astype(past.k.dtype), past.k),
+        mx.where(hit, new.v.astype(past.v.dtype), past.v),
+    )
 
 
 def _token_array(batch: Sequence[Row] | Sequence[DraftRow]) -> mx.array:

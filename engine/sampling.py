@@ -140,43 +140,73 @@ def adjust_logits(
 
 def distribution(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:
     """Per-row sampling distribution `[N, V]` (float32, rows sum to 1)."""
-    logits = logits.astype(mx.float32)
-    V = logits.shape[-1]
-    greedy = mx.array([p.greedy for p in params])[:, None]
-    temp = mx.array([p.temperature if not p.greedy else 1.0 for p in params])[:, None]
-    z = logits / temp
-    if any(p.top_k or p.top_p < 1.0 or p.min_p > 0.0 for p in params if not p.greedy):
-        z = _truncate(z, params)
-    probs = mx.softmax(z, axis=-1)
-    one_hot = mx.arange(V)[None, :] == mx.argmax(logits, axis=-1, keepdims=True)
-    return mx.where(greedy, one_hot.astype(mx.float32), probs)
+    return Shaping.of(params)(logits)
 
 
-def _truncate(z: mx.array, params: Sequence[SamplingParams]) -> mx.array:
-    """Mask out (to -inf) what top-k, top-p and min-p exclude, per row."""
-    V = z.shape[-1]
-    order = mx.argsort(-z, axis=-1)
-    zs = mx.take_along_axis(z, order, axis=-1)  # descending
-    rank = mx.arange(V)[None, :]
-    k = mx.array([p.top_k if p.top_k > 0 else V for p in params])[:, None]
-    keep = rank < k
-    ps = mx.softmax(mx.where(keep, zs, -mx.inf), axis=-1)
-    top_p = mx.array([p.top_p for p in params], dtype=mx.float32)[:, None]
-    before = mx.cumsum(ps, axis=-1) - ps  # mass strictly before this token
-    keep = keep & (before < top_p)
-    min_p = mx.array([p.min_p for p in params], dtype=mx.float32)[:, None]
-    keep = keep & (ps >= min_p * ps[:, :1])
-    keep = keep | (rank == 0)  # the most likely token always survives
-    masked_sorted = mx.where(keep, zs, -mx.inf)
-    inverse = mx.argsort(order, axis=-1)
-    return mx.take_along_axis(masked_sorted, inverse, axis=-1)
+@dataclass(frozen=True)
+class Shaping:
+    """What `distribution` does to each row, as device arrays: a compiled graph takes
+    `arrays` as inputs and keys on `truncate` (its static part), so it shapes any rows'
+    distributions without retracing (`ModelRunner.draft_chain`).
+
+    `arrays`: greedy `[N, 1]` bool, temperature `[N, 1]`, and when `truncate` (some sampled
+    row truncates) top_k, top_p and min_p `[N, 1]`.
+    """
+
+    truncate: bool
+    arrays: tuple[mx.array, ...]
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams]) -> Shaping:
+        greedy = mx.array([p.greedy for p in params])[:, None]
+        temp = mx.array([p.temperature if not p.greedy else 1.0 for p in params])[:, None]
+        if not any(p.top_k or p.top_p < 1.0 or p.min_p > 0.0 for p in params if not p.greedy):
+            return cls(False, (greedy, temp))
+        every = np.iinfo(np.int32).max  # top_k 0 (off) keeps every rank
+        top_k = mx.array([p.top_k if p.top_k > 0 else every for p in params])[:, None]
+        top_p = mx.array([p.top_p for p in params], dtype=mx.float32)[:, None]
+        min_p = mx.array([p.min_p for p in params], dtype=mx.float32)[:, None]
+        return cls(True, (greedy, temp, top_k, top_p, min_p))
+
+    def with_arrays(self, arrays: Sequence[mx.array]) -> Shaping:
+        """The same static shape over other arrays (as a compiled function receives them)."""
+        return Shaping(self.truncate, tuple(arrays))
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        """The distribution `[N, V]` of each row of logits `[N, V]`."""
+        greedy, temp = self.arrays[:2]
+        logits = logits.astype(mx.float32)
+        V = logits.shape[-1]
+        z = logits / temp
+        if self.truncate:
+            z = self._truncate(z)
+        probs = mx.softmax(z, axis=-1)
+        one_hot = mx.arange(V)[None, :] == mx.argmax(logits, axis=-1, keepdims=True)
+        return mx.where(greedy, one_hot.astype(mx.float32), probs)
+
+    def _truncate(self, z: mx.array) -> mx.array:
+        """Mask out (to -inf) what top-k, top-p and min-p exclude, per row."""
+        _, _, k, top_p, min_p = self.arrays
+        V = z.shape[-1]
+        order = mx.argsort(-z, axis=-1)
+        zs = mx.take_along_axis(z, order, axis=-1)  # descending
+        rank = mx.arange(V)[None, :]
+        keep = rank < k
+        ps = mx.softmax(mx.where(keep, zs, -mx.inf), axis=-1)
+        before = mx.cumsum(ps, axis=-1) - ps  # mass strictly before this token
+        keep = keep & (before < top_p)
+        keep = keep & (ps >= min_p * ps[:, :1])
+        keep = keep | (rank == 0)  # the most likely token always survives
+        masked_sorted = mx.where(keep, zs, -mx.inf)
+        inverse = mx.argsort(order, axis=-1)
+        return mx.take_along_axis(masked_sorted, inverse, axis=-1)
 
 
-def draw(probs: mx.array, uniforms: np.ndarray) -> mx.array:
+def draw(probs: mx.array, uniforms: np.ndarray | mx.array) -> mx.array:
     """One token per row by inverse CDF: the first token whose cumulative mass exceeds u."""
     cdf = mx.cumsum(probs, axis=-1)
-    u = mx.array(uniforms.astype(np.float32))[:, None] * cdf[:, -1:]
-    idx = (cdf <= u).sum(axis=-1)
+    u = mx.array(uniforms.astype(np.float32)) if isinstance(uniforms, np.ndarray) else uniforms
+    idx = (cdf <= u[:, None] * cdf[:, -1:]).sum(axis=-1)
     return mx.minimum(idx, probs.shape[-1] - 1).astype(mx.int32)
 
 

@@ -11,7 +11,8 @@ distribution q each was drawn from (`None`: a point mass at the token).
   prompt and output so far; the tokens that followed the latest match are the
   draft. Model-free, no state.
 * `MTPDrafter` — the model's nextn block (MODEL_SPEC §10, §16.2), batched across
-  slots through `ModelRunner.draft`, chained up to K by feeding its own h' back.
+  slots through `ModelRunner.draft`, chained up to K by feeding its own h' back (on the
+  device in one graph, `ModelRunner.draft_chain`).
 * `DFlashDrafter` — a block drafter (`engine/spec/dflash.py`): one non-causal forward
   for all its slots drafts up to block_size - 1 tokens each, conditioned on the
   outputs of some trunk layers (`layers`) at every committed position.
@@ -27,8 +28,8 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cache import SlotId
-from engine.runner import DraftRow, ModelRunner
-from engine.sampling import adjust_logits, distribution, draw
+from engine.runner import ChainRow, DraftRow, ModelRunner
+from engine.sampling import Shaping, adjust_logits, distribution, draw
 from engine.spec.dflash import DFlashModel, DFlashPool
 
 if TYPE_CHECKING:
@@ -200,15 +201,22 @@ class MTPDrafter(Drafter):
     one runs anyway, or when one's backlog reaches `max_backlog` positions: that bounds
     the hidden states held per slot and the latency of a later catch-up, at the cost of
     one head forward over the backlog (about 1/n_layer of the trunk's work on it).
+
+    After the catch-up, the draws and the deeper forwards of all slots run as one graph
+    (`ModelRunner.draft_chain`): one evaluation and one trip to the host per step, not one
+    per depth. Slots with penalties (which read the history the draft grows) or a logit
+    bias instead draw depth by depth through `_sample`, as every slot does with
+    `on_device=False`; both paths draw the same tokens from the same q and the same uniforms.
     """
 
     name = "mtp"
 
-    def __init__(self, runner: ModelRunner, max_backlog: int = 256) -> None:
+    def __init__(self, runner: ModelRunner, max_backlog: int = 256, on_device: bool = True) -> None:
         if runner.model.mtp is None:
             raise ValueError(f"{runner.model.path}: this model has no MTP head to draft with")
         self.runner = runner
         self.max_backlog = max_backlog
+        self.on_device = on_device
         self._tails: dict[SlotId, _Tail] = {}
 
     def available(self, d: DecodingSlot, length: int) -> int:
@@ -265,6 +273,9 @@ class MTPDrafter(Drafter):
             for i, (logits, hidden) in zip(live, self.runner.draft(rows), strict=True)
             if jobs[i].k
         ]
+        if self.on_device:
+            self._chain([c for c in chains if _drawn_on_device(c)])
+            chains = [c for c in chains if not _drawn_on_device(c)]
         for depth in range(max((c.job.k for c in chains), default=0)):
             going = [c for c in chains if c.job.k > depth]
             if depth:  # feed back the head's own h' and token, one position further on
@@ -279,6 +290,20 @@ class MTPDrafter(Drafter):
         for c in chains:
             c.draft.q = mx.stack(c.qs)
         return out
+
+    def _chain(self, chains: list[_Chain]) -> None:
+        """Draw every chain's whole draft in one `draft_chain`, each slot's k uniforms
+        taken up front (the ones `_sample` would take depth by depth)."""
+        if not chains:
+            return
+        rows = []
+        for c in chains:
+            assert c.hidden is not None
+            j = c.job
+            rows.append(ChainRow(j.d.slot, c.logits, c.hidden, j.length, j.k, j.d.rng.uniform(j.k)))
+        shaping = Shaping.of([c.job.d.params for c in chains])
+        for c, (tokens, q) in zip(chains, self.runner.draft_chain(rows, shaping), strict=True):
+            c.draft.tokens, c.draft.q = tokens, q
 
 
 @dataclass
@@ -436,6 +461,13 @@ class _Chain:
     logits: mx.array
     hidden: mx.array | None = None
     qs: list[mx.array] = field(default_factory=list)
+
+
+def _drawn_on_device(c: _Chain) -> bool:
+    """Whether `Shaping` makes the chain's q: no penalty (which reads the history the draft
+    grows) and no logit bias (which `Shaping` does not carry)."""
+    p = c.job.d.params
+    return not p.penalized and not p.logit_bias
 
 
 def _sample(chains: list[_Chain]) -> None:
