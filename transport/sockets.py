@@ -29,6 +29,7 @@ DEFAULT_TCP_HOST = "127.0.0.1"
 _SEND_FRAME = zmq.backend.Socket.send
 _MORE = int(zmq.SNDMORE | zmq.NOBLOCK)
 _LAST = int(zmq.NOBLOCK)
+_POLLIN = int(zmq.POLLIN)  # (an int: `&` with the IntFlag is Python code)
 
 
 class EndpointError(ValueError):
@@ -93,7 +94,7 @@ class AsyncSocket:
                 self._waiting = None
 
     def _wake_receiver(self) -> None:
-        if self._waiting is not None and int(self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+        if self._waiting is not None and int(self.sock.getsockopt(zmq.EVENTS)) & _POLLIN:
             self._waiting.cancel()
 
     def close(self) -> None:
