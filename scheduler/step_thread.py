@@ -5,7 +5,8 @@ step on the event loop. `anyio.to_thread` was the step thread before: handing a 
 its pool takes several turns of the event loop (a checkpoint, the capacity limiter,
 starting a task), and the loop had to spin through them before it could publish; at 64
 decode rows that hand-off cost more of the loop's CPU than publishing the step did.
-Here the call is queued at once and its end wakes the loop through a pipe.
+Here the call is queued at once, the thread is woken through a pipe, and the call's end
+wakes the loop through another.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class StepThread:
         # A byte per call each way. The thread is woken by a write, which releases the GIL
         # (a lock's release, as queue.SimpleQueue.put does it, wakes the thread with the GIL
         # held: should the OS run the thread at once, the loop waits off-CPU holding the GIL
-        # and neither runs — a quarter of the loop's GIL time at 64 rows, py-spy --gil).
+        # and neither runs — a quarter of the GIL samples at 64 rows, py-spy --gil).
         self._go_r, self._go_w = os.pipe()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
