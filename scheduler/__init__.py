@@ -17,8 +17,9 @@ ParameterOutOfRange, UnknownTokenId, DuplicateRequestId) or `Rejected` (reason
 QUEUE_FULL with `retry_after_s`, NEVER_FITS, SHUTTING_DOWN).
 
 Reading order: request.py (what is asked) -> queue.py, admission.py (who gets a slot)
--> loop.py (the loop) -> step.py (one batched step) -> sequence.py, stop.py (tokens to
-text) -> outcome.py, handle.py (what the caller receives).
+-> loop.py (the loop) -> step.py (one batched step), step_thread.py (where it runs)
+-> sequence.py, stop.py (tokens to text) -> outcome.py, handle.py (what the caller
+receives).
 """
 
 # A request's sampling parameters are part of the scheduler's API: the layer above names

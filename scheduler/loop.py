@@ -4,7 +4,7 @@ Each turn of the loop, at a step boundary (no step in flight):
 1. end requests whose deadline passed; free the slots of ended ones;
 2. admit waiting requests in queue order while a slot and their memory are free
    and the prompts already admitted leave room in the token budget;
-3. run ONE step on a worker thread (`anyio.to_thread.run_sync`): decode/verify rows
+3. run ONE step on the step thread (`scheduler.step_thread`): decode/verify rows
    of every decoding request, then prefill chunks (`scheduler.step`);
    meanwhile, on the loop, publish the previous step's tokens (detokenize, stop
    strings, deltas), so host work overlaps the forward;
@@ -20,12 +20,12 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from enum import Enum, auto
+from functools import partial
 from typing import Any
 
 import anyio
@@ -54,11 +54,9 @@ from scheduler.request import DuplicateRequestId, Request, Speculation, prepare
 from scheduler.sequence import Phase, Sequence
 from scheduler.stats import Counters, SchedulerStats
 from scheduler.step import Stepper, StepPlan, StepResult
+from scheduler.step_thread import StepThread
 
 log = logging.getLogger("slotserve.scheduler")
-
-STEP_START_WAIT_S = 0.00005
-"""How long the loop blocks at a time (GIL released) for the step thread to start."""
 
 
 class _State(Enum):
@@ -109,7 +107,7 @@ class Scheduler:
         self._wakeup = anyio.Event()
         self._stopped = anyio.Event()
         self._grace_until = math.inf
-        self._limiter = anyio.CapacityLimiter(1)
+        self._thread: StepThread  # the step thread, while `running()`
 
     # -- the caller's API ---------------------------------------------------------------------
     @asynccontextmanager
@@ -119,6 +117,7 @@ class Scheduler:
         if self._state != _State.NEW:
             raise RuntimeError("this Scheduler has already run")
         self._state = _State.RUNNING
+        self._thread = StepThread()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._serve)
             try:
@@ -281,25 +280,15 @@ class Scheduler:
 
     async def _step(self, plan: StepPlan) -> StepResult:
         """Run `plan` on the step thread and, while it computes, publish the last step."""
-        started = threading.Event()
-        box: list[StepResult] = []
-
-        async def run() -> None:
-            box.append(
-                await anyio.to_thread.run_sync(
-                    self._stepper.run, plan, started, limiter=self._limiter
-                )
-            )
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(run)
+        job = self._thread.start(partial(self._stepper.run, plan))
+        try:
             # Publishing holds the GIL: start it once the step thread is computing. Blocking
-            # on `started` hands the GIL over; a spin of checkpoints would compete for it.
-            while not started.is_set():
-                await anyio.lowlevel.checkpoint()  # let `run` hand the plan to the thread
-                started.wait(STEP_START_WAIT_S)
+            # on its start hands the GIL over.
+            job.started.wait()
             self._publish()
-        return box[0]
+        finally:
+            result = await self._thread.finish(job)  # (even if publishing failed)
+        return result
 
     async def _close(self, crash: str | None) -> None:
         """The loop ended: end everything (SHUTDOWN, or ERROR after a `crash`), free
@@ -312,8 +301,9 @@ class Scheduler:
                 self._finish(seq, reason, crash)
             self._reap()
             slots, self._to_free = self._to_free, []
-            await anyio.to_thread.run_sync(self._stepper.release, slots, limiter=self._limiter)
+            await self._thread.run(partial(self._stepper.release, slots))
         finally:
+            self._thread.close()
             self._stopped.set()
 
     def _expire(self, now: float) -> None:

@@ -6,11 +6,12 @@
 every prompt that completed, and reads log-probabilities back to the host.
 
 MLX evaluates a lazy graph only on the thread that built it ("There is no
-Stream(cpu, 0) in current thread"), and `anyio.to_thread` may hand successive steps
-to different worker threads. So no MLX work happens on the event loop, every step
-leaves the pool and the Speculator evaluated (`_settle`), and the model's weights —
-which the loader builds lazily — are evaluated once when the Stepper is made
-(`materialize`).
+Stream(cpu, 0) in current thread"). The Scheduler runs every step on its own step
+thread (`scheduler.step_thread`), but the Stepper does not rely on that (benchmarks
+drive it from their main thread; the Stepper is made on the event loop's): no MLX work
+happens on the event loop, every step leaves the pool and the Speculator evaluated
+(`_settle`), and the model's weights — which the loader builds lazily — are evaluated
+once when the Stepper is made (`materialize`).
 
 Faults: the runner raises `BatchError` / `PoolError` before changing anything, so on
 those the rows are bisected and re-run to find the rows at fault; only their
@@ -22,7 +23,6 @@ way the step returns normally and the loop goes on.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -155,10 +155,8 @@ class Stepper:
         self.fault_hook = fault_hook
         materialize(speculator)  # its runner's model and pool, its drafters
 
-    def run(self, plan: StepPlan, started: threading.Event | None = None) -> StepResult:
+    def run(self, plan: StepPlan) -> StepResult:
         """Execute one step. Never raises: failures are reported per sequence."""
-        if started is not None:
-            started.set()
         result = StepResult()
         try:
             self._run(plan, result)
