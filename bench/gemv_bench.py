@@ -104,29 +104,21 @@ def shape(w: Weight) -> tuple[int, int]:
 
 
 def timed(
-    ws: list[Weight],
-    xs: dict[int, mx.array],
-    variant: tuple[int, int] | None,
-    reps: int,
-    compiled: bool = False,
+    ws: list[Weight], xs: dict[int, mx.array], variant: tuple[int, int] | None, reps: int
 ) -> float:
     """Best seconds of one evaluation of every product of `ws`: MLX's (`variant` None) or
-    the kernel's with (outputs per warp, rounds in flight); `compiled`: as one `mx.compile`d
-    function, as a decode step runs them (launches cost less there)."""
+    the kernel's with (outputs per warp, rounds in flight). Eager: wrapping the products in
+    `mx.compile` (the weights captured as constants) measured ~100 ms per evaluation for
+    both kernels on the H200 (`bench/results/h200_v11/gemv_synth_v3.md`), the compile path's
+    cost, not the kernels'."""
     os.environ["SLOTSERVE_FUSED_GEMV"] = "0"
-    ks = sorted(xs)
-
-    def products(*inputs: mx.array) -> list[mx.array]:
-        by_k = dict(zip(ks, inputs, strict=True))
-        if variant is None:
-            return [matmul(by_k[shape(w)[1]], w) for w in ws]
-        return [gemv_cuda(by_k[shape(w)[1]], w, *variant) for w in ws]
-
-    fn = mx.compile(products) if compiled else products
     best = float("inf")
-    for _ in range(reps + 1):  # the first run compiles the kernels (and the graph)
+    for _ in range(reps + 1):  # the first run compiles the kernels
         t0 = time.perf_counter()
-        mx.eval(fn(*[xs[k] for k in ks]))
+        if variant is None:
+            mx.eval([matmul(xs[shape(w)[1]], w) for w in ws])
+        else:
+            mx.eval([gemv_cuda(xs[shape(w)[1]], w, *variant) for w in ws])
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -138,7 +130,6 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8")
     ap.add_argument("--variants", default="4x2", help="OUTSxU,... of the kernel")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--compile", action="store_true", help="time the products mx.compile'd")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not available():
@@ -168,8 +159,8 @@ def main() -> None:
                 groups[shape(w)].append(w)
             for label, sel in [("all", ws)] + [(f"{n}x{k}", g) for (n, k), g in groups.items()]:
                 b = sum(nbytes(w) for w in sel)
-                mlx_s = timed(sel, xs, None, args.reps, args.compile)
-                ours = [timed(sel, xs, v, args.reps, args.compile) for v in variants]  # type: ignore[arg-type]
+                mlx_s = timed(sel, xs, None, args.reps)
+                ours = [timed(sel, xs, v, args.reps) for v in variants]  # type: ignore[arg-type]
                 results.append(
                     {
                         "set": label_set,
