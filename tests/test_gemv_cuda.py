@@ -41,6 +41,19 @@ def _close(got: mx.array, want: np.ndarray, dtype: mx.Dtype) -> None:
     assert err <= tol * max(np.abs(want).max(), 1.0), err
 
 
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0"])
+def test_quantized_model_through_the_kernel_matches_the_portable_path(
+    make_model: Callable[..., Path], quant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """First in the file: the kernel tests below build a kernel variant each (NVRTC), and
+    a time-limited GPU run should reach the model through both paths before them."""
+    path = make_model("tiny", quant=quant)
+    monkeypatch.setenv("SLOTSERVE_FUSED_GEMV", "0")
+    portable = two_steps(path)
+    monkeypatch.setenv("SLOTSERVE_FUSED_GEMV", "1")
+    assert_as_close_as(two_steps(path), portable, on_cpu(path))
+
+
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize(("R", "K", "N"), SHAPES)
@@ -106,14 +119,3 @@ def test_layouts_the_kernel_cannot_read_are_refused() -> None:
     assert not gemv_cuda.fits(x, w.astype(mx.bfloat16))  # mixed dtypes
     with pytest.raises(ValueError, match="does not fit"):
         gemv_cuda.gemv_cuda(_x(9, 64, mx.float32), mx.zeros((4, 64)))
-
-
-@pytest.mark.parametrize("quant", ["q8_0", "q4_0"])
-def test_quantized_model_through_the_kernel_matches_the_portable_path(
-    make_model: Callable[..., Path], quant: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    path = make_model("tiny", quant=quant)
-    monkeypatch.setenv("SLOTSERVE_FUSED_GEMV", "0")
-    portable = two_steps(path)
-    monkeypatch.setenv("SLOTSERVE_FUSED_GEMV", "1")
-    assert_as_close_as(two_steps(path), portable, on_cpu(path))
