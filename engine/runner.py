@@ -164,8 +164,8 @@ class ModelRunner:
         self.last_tokens = 0  # tokens of the last step, all rows together
         # Steps (and drafts) of a compiled runner that ran a batch shape not compiled yet —
         # eagerly, or tracing and compiling it (tens to hundreds of ms): their time says
-        # nothing of a steady step.
-        self.graphs_made = 0
+        # nothing of a steady step. (0 in an eager runner: every step is alike.)
+        self.cold_steps = 0
 
     def step(self, batch: Sequence[Row]) -> StepOutput:
         t0 = time.perf_counter()
@@ -325,7 +325,7 @@ class ModelRunner:
             self._compiled.move_to_end(key)
             return kept
         if self.compile:
-            self.graphs_made += 1
+            self.cold_steps += 1
             seen = self._sightings.pop(key, 0) + 1
             if seen < self.compile_after:
                 self._sightings[key] = seen
@@ -337,6 +337,24 @@ class ModelRunner:
         if len(self._compiled) > self.MAX_FORWARDS:
             self._compiled.popitem(last=False)
         return fn
+
+    def _check_mtp_room(self, slot: SlotId, end: int) -> None:
+        if end > self.pool.max_context:
+            raise BatchError(f"slot {slot}: MTP row past the context of {self.pool.max_context}")
+
+    def _write_mtp(
+        self,
+        slots: list[SlotId],
+        starts: list[int],
+        lengths: list[int],
+        new: AttentionState,
+        layout: Layout | None = None,
+    ) -> None:
+        """Write the rows' new MTP K/V into the pool at `starts`, queued (not waited for)."""
+        layout = Layout.build(lengths, starts) if layout is None else layout
+        self.pool.write_mtp(slots, starts, lengths, layout, new)
+        assert self.pool.mtp_k is not None and self.pool.mtp_v is not None
+        mx.async_eval(self.pool.mtp_k, self.pool.mtp_v)
 
     def _mtp(self) -> MTPHead:
         if self.model.mtp is None:
@@ -355,10 +373,7 @@ class ModelRunner:
         starts = [r.start for r in batch]
         lengths = [len(r.tokens) for r in batch]
         for slot, start, n in zip(slots, starts, lengths, strict=True):
-            if start + n > self.pool.max_context:
-                raise BatchError(
-                    f"slot {slot}: MTP row past the context of {self.pool.max_context}"
-                )
+            self._check_mtp_room(slot, start + n)
         layout = Layout.build(lengths, starts)
         past = self.past_for(max(starts))
         state = self.pool.read_mtp(slots, starts, past)
@@ -368,9 +383,7 @@ class ModelRunner:
         logits, h, k, v = fn([_token_array(batch), hidden, *layout.arrays()], [state.k, state.v])
         new = AttentionState(k, v)
         mx.eval(logits, h, new.k, new.v)  # before the pool changes, as in `step`
-        self.pool.write_mtp(slots, starts, lengths, layout, new)
-        assert self.pool.mtp_k is not None and self.pool.mtp_v is not None
-        mx.async_eval(self.pool.mtp_k, self.pool.mtp_v)
+        self._write_mtp(slots, starts, lengths, new, layout)
         out, at = [], 0
         for n in lengths:
             out.append((logits[at : at + n], h[at : at + n]))
@@ -390,10 +403,7 @@ class ModelRunner:
         for r in rows:
             if not 1 <= r.depth <= len(r.uniforms):
                 raise BatchError(f"slot {r.slot}: a chain of {r.depth} draws")
-            if r.start + r.depth - 1 > self.pool.max_context:
-                raise BatchError(
-                    f"slot {r.slot}: MTP row past the context of {self.pool.max_context}"
-                )
+            self._check_mtp_room(r.slot, r.start + r.depth - 1)
         K = max(r.depth for r in rows)
         layout = Layout.build([1] * len(rows), starts)
         kv: list[mx.array] = []
@@ -418,18 +428,14 @@ class ModelRunner:
         mx.eval(tokens, q, ks, vs)  # before the pool changes, as in `step`
         deep = [b for b, r in enumerate(rows) if r.depth > 1]
         if deep:
-            at = mx.array(deep, dtype=mx.int32)
+            k, v = mx.concatenate(ks, axis=1), mx.concatenate(vs, axis=1)
+            if len(deep) < len(rows):  # (an integer index is a gather: only when needed)
+                at = mx.array(deep, dtype=mx.int32)
+                k, v = k[at], v[at]
             lengths = [rows[b].depth - 1 for b in deep]
-            new = AttentionState(mx.concatenate(ks, axis=1)[at], mx.concatenate(vs, axis=1)[at])
-            self.pool.write_mtp(
-                [slots[b] for b in deep],
-                [starts[b] for b in deep],
-                lengths,
-                Layout.build(lengths, [starts[b] for b in deep]),
-                new,
+            self._write_mtp(
+                [slots[b] for b in deep], [starts[b] for b in deep], lengths, AttentionState(k, v)
             )
-            assert self.pool.mtp_k is not None and self.pool.mtp_v is not None
-            mx.async_eval(self.pool.mtp_k, self.pool.mtp_v)
         drawn = np.array(tokens)
         return [
             ([int(t) for t in drawn[b, : r.depth]], q[b, : r.depth]) for b, r in enumerate(rows)

@@ -58,10 +58,14 @@ class SamplingParams:
         )
 
     @functools.cached_property
+    def unadjusted(self) -> bool:
+        """`adjust_logits` leaves the row as it is: no penalty, no logit bias."""
+        return not self.penalized and not self.logit_bias
+
+    @functools.cached_property
     def argmax_only(self) -> bool:
-        """The token is the argmax of the model's own logits: greedy, no penalty, no logit
-        bias (`adjust_logits` leaves such a row as it is)."""
-        return self.greedy and not self.penalized and not self.logit_bias
+        """The token is the argmax of the model's own logits: greedy and `unadjusted`."""
+        return self.greedy and self.unadjusted
 
     def validate(self, vocab_size: int) -> None:
         checks = [
@@ -110,7 +114,7 @@ def adjust_logits(
     tokens row i has seen (prompt and output) for the penalties."""
     rows, cols, deltas, scales = [], [], [], []
     for i, (p, hist) in enumerate(zip(params, histories, strict=True)):
-        if not p.penalized and not p.logit_bias:
+        if p.unadjusted:
             continue
         tokens: dict[int, int] = {}
         if p.penalized:

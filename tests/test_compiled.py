@@ -116,7 +116,7 @@ def test_a_batch_shape_is_compiled_when_it_comes_back(model: Model) -> None:
     """A compiled runner runs a shape's first step eagerly and keeps nothing (a ragged
     prefill's shape seldom recurs: compiling it would cost its request the tracing); the
     second time it compiles and keeps it; the third time it only runs it. Every step counts
-    in `graphs_made` until the shape is compiled. The outputs agree throughout."""
+    in `cold_steps` until the shape is compiled. The outputs agree throughout."""
     pool = SlotPool(model.config, 1, 64, mx.float32)
     runner = ModelRunner(model, pool, compile=True)
     slot = pool.allocate()
@@ -126,12 +126,12 @@ def test_a_batch_shape_is_compiled_when_it_comes_back(model: Model) -> None:
         return np.array(runner.step([Row(slot, list(range(1, n + 1)), 0)]).rows[0].logits)
 
     first = prefill(5)
-    assert (runner.graphs_made, runner.cached_forwards) == (1, 0)
+    assert (runner.cold_steps, runner.cached_forwards) == (1, 0)
     second = prefill(5)
-    assert (runner.graphs_made, runner.cached_forwards) == (2, 1)
+    assert (runner.cold_steps, runner.cached_forwards) == (2, 1)
     third = prefill(5)
-    assert (runner.graphs_made, runner.cached_forwards) == (2, 1)
+    assert (runner.cold_steps, runner.cached_forwards) == (2, 1)
     np.testing.assert_allclose(second, first, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(third, first, rtol=1e-5, atol=1e-5)
     prefill(6)  # another shape: eager again, nothing more kept
-    assert (runner.graphs_made, runner.cached_forwards) == (3, 1)
+    assert (runner.cold_steps, runner.cached_forwards) == (3, 1)

@@ -464,10 +464,9 @@ class _Chain:
 
 
 def _drawn_on_device(c: _Chain) -> bool:
-    """Whether `Shaping` makes the chain's q: no penalty (which reads the history the draft
-    grows) and no logit bias (which `Shaping` does not carry)."""
-    p = c.job.d.params
-    return not p.penalized and not p.logit_bias
+    """Whether `Shaping` makes the chain's q: its logits are not adjusted (a penalty reads
+    the history the draft grows; `Shaping` does not carry a logit bias)."""
+    return c.job.d.params.unadjusted
 
 
 def _sample(chains: list[_Chain]) -> None:

@@ -221,7 +221,7 @@ class Speculator:
         self.controller = controller if controller is not None else CostController()
         self._plans: dict[SlotId, _Plan] = {}
         self._cycle: tuple[float, int, int] | None = None  # start, row tokens, depth
-        self._graphs_at_plan = 0  # the runner's `graphs_made` when the cycle was planned
+        self._cold_at_plan = 0  # the runner's `cold_steps` when the cycle was planned
 
     # -- a slot's life -------------------------------------------------------------------
     def prefill_row(
@@ -288,7 +288,7 @@ class Speculator:
     def plan(self, decoding: Sequence[DecodingSlot]) -> list[Row]:
         """One row per decoding slot, in order: `[pending, *drafts]` at the slot's length."""
         start = time.perf_counter()
-        self._graphs_at_plan = self.runner.graphs_made
+        self._cold_at_plan = self.runner.cold_steps
         pool_lengths = self.runner.pool.lengths
         if not self.max_draft:  # nothing may draft (and no drafter has begun a slot)
             rows = [Row(d.slot, [d.pending], pool_lengths[d.slot]) for d in decoding]
@@ -486,7 +486,7 @@ class Speculator:
         self._cycle = None
         # A cycle that compiled a new batch shape (its drafts' or its step's) timed MLX's
         # compiler, not the step: not observed.
-        if self.runner.last_tokens == tokens and self.runner.graphs_made == self._graphs_at_plan:
+        if self.runner.last_tokens == tokens and self.runner.cold_steps == self._cold_at_plan:
             self.controller.observe_step(width, depth, time.perf_counter() - start)
 
 
