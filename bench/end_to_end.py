@@ -37,7 +37,7 @@ from peers import Ours
 from scheduler_overhead import Bench, percentile
 
 from transport import loadgen, loadreport
-from transport.daemon import compiled_steps, compute_dtype
+from transport.daemon import compiled_steps, compute_dtype, kv_dtype_for
 from transport.daemon.demo import Supervised
 
 
@@ -104,7 +104,7 @@ def daemon_rounds(path: Path, args: argparse.Namespace, tmp: Path) -> dict[str, 
 def _dtypes(args: argparse.Namespace) -> tuple[mx.Dtype, mx.Dtype]:
     """Compute and K/V dtypes as the daemon picks them for its `dtype` setting."""
     dtype = compute_dtype(args.dtype)
-    return dtype, mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
+    return dtype, kv_dtype_for(dtype)
 
 
 def main() -> None:

@@ -102,7 +102,7 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
         "on" if compiled_steps(config.compile) else "off",
     )
     t0 = time.perf_counter()
-    kv_dtype = mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
+    kv_dtype = kv_dtype_for(dtype)
     pool = SlotPool(cfg, config.slots, config.context, kv_dtype, max_draft=config.max_draft)
     log.info(
         "slot pool: %d slots x %d tokens, draft depth %d, allocated in %.1f s",
@@ -133,6 +133,11 @@ def compute_dtype(setting: str) -> mx.Dtype:
     if setting == "auto":
         return mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
     return getattr(mx, setting)
+
+
+def kv_dtype_for(dtype: mx.Dtype) -> mx.Dtype:
+    """The pool's K/V dtype beside a compute dtype: bfloat16 beside bfloat16, else float16."""
+    return mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
 
 
 def compiled_steps(setting: str) -> bool:
