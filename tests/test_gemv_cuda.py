@@ -112,10 +112,11 @@ def test_leading_dims_are_kept_and_big_batches_fall_back(monkeypatch: pytest.Mon
 
 
 def test_layouts_the_kernel_cannot_read_are_refused() -> None:
-    x = _x(1, 40, mx.float32)  # 40 f32 = 160 bytes: whole loads, but no whole group of 32
+    x = _x(1, 40, mx.float32)  # a float row needs whole 16-byte loads only: 40 f32 = 160 bytes
     w = mx.zeros((4, 40))
     assert gemv_cuda.fits(x, w)
     assert not gemv_cuda.fits(_x(1, 36, mx.bfloat16), mx.zeros((4, 36), dtype=mx.bfloat16))
+    assert not gemv_cuda.fits(_x(1, 32, mx.float32), _quantized(4, 64, 8, mx.float32))  # K
     assert not gemv_cuda.fits(x, w.astype(mx.bfloat16))  # mixed dtypes
     with pytest.raises(ValueError, match="does not fit"):
         gemv_cuda.gemv_cuda(_x(9, 64, mx.float32), mx.zeros((4, 64)))
