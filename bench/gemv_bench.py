@@ -11,7 +11,7 @@ of `--reps`; then per matrix shape alone. `--variants` times the kernel's tuning
 (the quantized payload with its scales and biases).
 
     python bench/gemv_bench.py --model-dir MODELS --rows 1,4,8 --json OUT/gemv.json
-    python bench/gemv_bench.py --synthetic 9b:8,0.8b:16 --rows 1,8 --variants 4x2,2x2,2x4
+    python bench/gemv_bench.py --synthetic 9b:8,0.8b:16 --rows 1,8 --variants 4x1x4,4x2x4,2x1x8
 """
 
 from __future__ import annotations
@@ -104,10 +104,10 @@ def shape(w: Weight) -> tuple[int, int]:
 
 
 def timed(
-    ws: list[Weight], xs: dict[int, mx.array], variant: tuple[int, int] | None, reps: int
+    ws: list[Weight], xs: dict[int, mx.array], variant: tuple[int, ...] | None, reps: int
 ) -> float:
     """Best seconds of one evaluation of every product of `ws`: MLX's (`variant` None) or
-    the kernel's with (outputs per warp, rounds in flight). Eager: wrapping the products in
+    the kernel's with (outputs per block, rounds in flight, warps per block). Eager: wrapping the products in
     `mx.compile` (the weights captured as constants) measured ~100 ms per evaluation for
     both kernels on the H200 (`bench/results/h200_v11/gemv_synth_v3.md`), the compile path's
     cost, not the kernels'."""
@@ -128,7 +128,9 @@ def main() -> None:
     ap.add_argument("--model-dir", type=Path, help="*.gguf files to read")
     ap.add_argument("--synthetic", help="PRESET:BITS,... (presets: 0.8b, 9b; bits 16, 8, 4)")
     ap.add_argument("--rows", default="1,4,8")
-    ap.add_argument("--variants", default="4x2", help="OUTSxU,... of the kernel")
+    ap.add_argument(
+        "--variants", default="4x1x4", help="OUTSxUxSPLIT,... of the kernel (its default: 4x1x4)"
+    )
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -146,7 +148,7 @@ def main() -> None:
         ws = make()
         total = sum(nbytes(w) for w in ws)
         print(f"\n## {label_set}: {len(ws)} matrices, {total / 1e9:.3f} GB", flush=True)
-        heads = " | ".join(f"{o}x{u} µs | GB/s" for o, u in variants)
+        heads = " | ".join(f"{'x'.join(map(str, v))} µs | GB/s" for v in variants)
         print(f"| rows | shapes | MLX µs | GB/s | {heads} |")
         print("|---|---|---|---|" + "---|---|" * len(variants))
         for R in [int(r) for r in args.rows.split(",")]:
@@ -170,7 +172,8 @@ def main() -> None:
                         "bytes": b,
                         "mlx_us": mlx_s * 1e6,
                         "ours_us": {
-                            f"{o}x{u}": t * 1e6 for (o, u), t in zip(variants, ours, strict=True)
+                            "x".join(map(str, v)): t * 1e6
+                            for v, t in zip(variants, ours, strict=True)
                         },
                     }
                 )

@@ -68,12 +68,15 @@ def test_quantized_gemv_matches_the_dequantized_product(
     _close(got, want, dtype)
 
 
-@pytest.mark.parametrize(("outs", "unroll"), [(1, 1), (2, 4), (4, 2), (8, 1)])
+@pytest.mark.parametrize(
+    ("outs", "unroll", "split"), [(1, 1, 1), (2, 4, 2), (4, 2, 4), (8, 1, 3), (4, 1, 8)]
+)
 @pytest.mark.parametrize("bits", [8, 4, 16])
 def test_every_tuning_of_the_kernel_computes_the_same_product(
-    outs: int, unroll: int, bits: int
+    outs: int, unroll: int, split: int, bits: int
 ) -> None:
-    """Rounds past K's end (3584 = 7 rounds of 512 8-bit values) and warps past N's end."""
+    """Rounds past K's end (3584 = 7 warp-rounds of 512 8-bit values, shared unevenly by a
+    block's warps) and outputs past N's end."""
     R, K, N = 3, 3584, 4100
     x = _x(R, K, mx.bfloat16)
     if bits == 16:
@@ -82,7 +85,7 @@ def test_every_tuning_of_the_kernel_computes_the_same_product(
     else:
         w = _quantized(N, K, bits, mx.bfloat16)
         ref = w.dequantize().astype(mx.float32)
-    got = gemv_cuda.gemv_cuda(x, w, outs, unroll)
+    got = gemv_cuda.gemv_cuda(x, w, outs, unroll, split)
     _close(got, np.array(x.astype(mx.float32) @ ref.T), mx.bfloat16)
 
 

@@ -2,13 +2,16 @@
 that streams each weight once, for float matrices and for MLX's affine 8- and 4-bit layout.
 
 A decode step multiplies a handful of rows by every weight matrix of the model: the step's
-time is the time to read the weights. Each warp owns `OUTS` consecutive outputs for all rows
-of x and walks their weight rows along K, each lane 16 bytes per row per round (8 bf16, 16
-8-bit or 32 4-bit values; for the quantized ones inside one quantization group), `U` rounds'
-loads issued before any is used. It dequantizes in registers, once for all rows of x — a
-quantized value becomes the float `2^23 + q` by bit operations, not the slower int-to-float
-conversion — accumulates in f32 against the x values it needs (read through the cache, shared
-by all warps) and reduces across its lanes. A quantized group contributes `scale * sum(q * x) + bias * sum(x)`.
+time is the time to read the weights. A block's `SPLIT` warps own `OUTS` consecutive outputs
+for all rows of x and share their weight rows along K (split-K: a 4096-wide matrix of 4096
+rows keeps 4096 warps busy rather than 1024, enough loads in flight to stream it), each lane
+16 bytes per row per round (8 bf16, 16 8-bit or 32 4-bit values; for the quantized ones inside
+one quantization group), `U` rounds' loads issued before any is used. It dequantizes in
+registers, once for all rows of x — a quantized value becomes the float `2^23 + q` by bit
+operations, not the slower int-to-float conversion — accumulates in f32 against the x values
+it needs (read through the cache, shared by all warps), reduces across its lanes, and the
+block's warps add their sums through shared memory. A quantized group contributes
+`scale * sum(q * x) + bias * sum(x)`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from engine.gguf import QuantizedWeight, Weight
 from engine.kernels.cuda import cached_kernel, switched_on
 
 MAX_ROWS = 8  # rows of x a launch takes (its accumulators live in registers)
-WARPS = 4  # warps per block
 _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
 
 _SOURCE = """
@@ -29,9 +31,8 @@ _SOURCE = """
     constexpr int PER_WORD = BITS < 16 ? 32 / BITS : 1;  // quantized values per 32-bit word
     constexpr unsigned MASK = BITS < 16 ? (1u << (BITS & 15)) - 1 : 0u;
     const long K = x_shape[1], N = w_shape[0];  // read, not baked in: one build per row count
-    const int lane = threadIdx.x & 31;
-    const long row0 = (long(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) * OUTS;
-    if (row0 >= N) return;  // the whole warp: its rows are past the matrix
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const long row0 = long(blockIdx.x) * OUTS;  // the block's first output (the grid fits N)
     const unsigned char* base = reinterpret_cast<const unsigned char*>(w);
     float acc[R][OUTS];
     #pragma unroll
@@ -39,13 +40,14 @@ _SOURCE = """
         #pragma unroll
         for (int o = 0; o < OUTS; ++o) acc[r][o] = 0.0f;
 
-    for (long k0 = long(lane) * VEC; k0 < K; k0 += 32L * VEC * U) {
+    constexpr long STRIDE = 32L * SPLIT * VEC;  // values of K one round of the block covers
+    for (long k0 = (long(warp) * 32 + lane) * VEC; k0 < K; k0 += STRIDE * U) {
         // All U rounds' loads first: U * OUTS 16-byte loads in flight per lane.
         uint4 wq[U][OUTS];
         float sc[U][OUTS], bi[U][OUTS];
         #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const long k = k0 + long(u) * 32 * VEC;
+            const long k = k0 + u * STRIDE;
             #pragma unroll
             for (int o = 0; o < OUTS; ++o) {
                 const long row = row0 + o < N ? row0 + o : N - 1;  // spare outputs reread the last
@@ -60,7 +62,7 @@ _SOURCE = """
         }
         #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const long k = k0 + long(u) * 32 * VEC;
+            const long k = k0 + u * STRIDE;
             if (k >= K) break;
             float dot[R][OUTS], sx[R];
             #pragma unroll
@@ -107,6 +109,7 @@ _SOURCE = """
                     acc[r][o] += BITS < 16 ? sc[u][o] * dot[r][o] + bi[u][o] * sx[r] : dot[r][o];
         }
     }
+    __shared__ float part[SPLIT][R][OUTS];
     #pragma unroll
     for (int r = 0; r < R; ++r)
         #pragma unroll
@@ -114,8 +117,16 @@ _SOURCE = """
             float v = acc[r][o];
             #pragma unroll
             for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
-            if (lane == 0 && row0 + o < N) out[r * N + row0 + o] = static_cast<T>(v);
+            if (lane == 0) part[warp][r][o] = v;
         }
+    __syncthreads();
+    if (warp == 0 && lane < R * OUTS) {  // R * OUTS <= 32: one lane an output of a row
+        const int r = lane / OUTS, o = lane % OUTS;
+        float v = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < SPLIT; ++i) v += part[i][r][o];
+        if (row0 + o < N) out[r * N + row0 + o] = static_cast<T>(v);
+    }
 """
 
 
@@ -148,15 +159,20 @@ def fits(x: mx.array, w: Weight) -> bool:
     return w.ndim == 2 and w.shape[1] == K and w.dtype == x.dtype and K * w.itemsize % 16 == 0
 
 
-def gemv_cuda(x: mx.array, w: Weight, outs: int = 4, unroll: int = 1) -> mx.array:
+def gemv_cuda(x: mx.array, w: Weight, outs: int = 4, unroll: int = 1, split: int = 4) -> mx.array:
     """`x @ W.T` for `x` `[..., K]` with at most `MAX_ROWS` rows and `W` `(N, K)` (float in
-    x's dtype, or affine-quantized), in x's dtype; `fits(x, w)` must hold. `outs` outputs
-    per warp, `unroll` rounds of loads in flight (tuning knobs, `bench/gemv_bench.py`)."""
+    x's dtype, or affine-quantized), in x's dtype; `fits(x, w)` must hold. Tuning knobs
+    (`bench/gemv_bench.py`): `outs` outputs per block, `unroll` rounds of loads in flight,
+    `split` warps per block sharing the outputs' K."""
+    R = x.size // x.shape[-1]
+    if not (outs >= 1 and R * outs <= 32 and unroll >= 1 and 1 <= split <= 32):
+        raise ValueError(
+            f"gemv_cuda: no kernel for {R} rows, outs={outs} unroll={unroll} split={split}"
+        )
     if not fits(x, w):
         raise ValueError(f"gemv_cuda: x {x.shape} {x.dtype} does not fit this kernel's layouts")
     K = x.shape[-1]
     lead = x.shape[:-1]
-    R = x.size // K
     if isinstance(w, QuantizedWeight):
         N, bits = w.shape[0], w.bits
         inputs = [x.reshape(R, K), w.weight, w.scales, w.biases]
@@ -176,10 +192,11 @@ def gemv_cuda(x: mx.array, w: Weight, outs: int = 4, unroll: int = 1) -> mx.arra
             ("VEC", 128 // bits),
             ("OUTS", outs),
             ("U", unroll),
+            ("SPLIT", split),
             *extra,
         ],
-        grid=(-(-N // (outs * WARPS)) * 32 * WARPS, 1, 1),
-        threadgroup=(32 * WARPS, 1, 1),
+        grid=(-(-N // outs) * 32 * split, 1, 1),
+        threadgroup=(32 * split, 1, 1),
         output_shapes=[(R, N)],
         output_dtypes=[x.dtype],
     )
