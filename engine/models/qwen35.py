@@ -20,7 +20,15 @@ import mlx.nn as nn
 from engine.gated_delta import gated_delta, l2_normalize
 from engine.gguf import GGUFFile, ModelConfig, QuantizedWeight, Weight
 from engine.kernels import add_norm_cuda, attention_cuda, gdn_mixer_cuda, swiglu_cuda
-from engine.models.batch import AttentionState, LayerState, Layout, LinearCapture, LinearState
+from engine.models import weights
+from engine.models.batch import (
+    AttentionState,
+    LayerState,
+    Layout,
+    LinearCapture,
+    LinearState,
+    unstacked,
+)
 from engine.models.weights import Loader, Projection, expert_matmul, matmul
 
 
@@ -110,8 +118,8 @@ class Attention:
         cfg = self.cfg
         H, Hkv, D, eps = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps
         if attention_cuda.enabled() and D % 32 == 0:
-            past_k, past_v = state.k, state.v
-            if not past_k.shape[1]:  # the kernel reads no past here, but takes no empty array
+            past_k, past_v = state.k, state.v  # (the pool's views, read as they are)
+            if not past_k.shape[-3]:  # the kernel reads no past here, but takes no empty array
                 past_k = past_v = mx.zeros((layout.rows, 1, Hkv, D), dtype=state.k.dtype)
             out, k_new, v_new = attention_cuda.attention_cuda(
                 self.qkv.joined(x),
@@ -131,6 +139,7 @@ class Attention:
             )
             new = AttentionState(layout.to_padded(k_new), layout.to_padded(v_new))
             return matmul(out, self.wo), new
+        state = AttentionState(unstacked(state.k, 4), unstacked(state.v, 4))
         qg, k, v = (layout.to_padded(y) for y in self.qkv(x))
         B, T, _ = qg.shape
         qg = qg.reshape(B, T, H, 2, D)
@@ -225,6 +234,7 @@ class GatedDeltaNet:
             )
             capture = None if kept is None else LinearCapture(cap_rows, *kept)
             return matmul(y, self.w_out), LinearState(conv, ssm), capture
+        state = LinearState(unstacked(state.conv, 3), unstacked(state.ssm, 4))
         Hk, Hv, dk, dv, Kc = cfg.ssm_hk, cfg.ssm_hv, cfg.ssm_dk, cfg.ssm_dv, cfg.conv_kernel
         Cq = Hk * dk
         p_raw, z_raw, *ba = self.proj(x)
@@ -329,7 +339,7 @@ class MoEFFN:
 
     def __call__(self, x: mx.array) -> mx.array:
         assert isinstance(self.router, mx.array) and isinstance(self.shared_gate, mx.array)
-        probs = mx.softmax(x.astype(mx.float32) @ self.router.T, axis=-1)
+        probs = mx.softmax(matmul(x.astype(mx.float32), self.router), axis=-1)
         idx = mx.stop_gradient(mx.argpartition(-probs, kth=self.k - 1, axis=-1)[:, : self.k])
         w = mx.take_along_axis(probs, idx, axis=-1)
         w = w / mx.maximum(w.sum(-1, keepdims=True), 6.103515625e-5)
@@ -440,6 +450,7 @@ class Model:
         # Load eagerly: lazy weights would be evaluated by whichever thread runs the first
         # step, and MLX evaluates a graph only on the thread that built it.
         mx.eval(_arrays(self))
+        weights.prepare(_arrays(self))
 
     def embed_tokens(self, tokens: mx.array, table: Weight | None = None) -> mx.array:
         w = self.tok_embd if table is None else table

@@ -44,6 +44,7 @@ from engine.gguf import (
     TensorFile,
     UnsupportedArchitectureError,
 )
+from engine.models import weights
 from engine.models.qwen35 import DenseFFN, Model, _arrays, rms_norm
 from engine.models.weights import Loader, matmul
 
@@ -217,6 +218,7 @@ class DFlashModel:
         self.layers = [DrafterLayer(ld, i, cfg) for i in range(cfg.n_layer)]
         # Load eagerly, as the trunk does: MLX evaluates a graph only on the thread that built it.
         mx.eval(_arrays([self.fc, self.hidden_norm, self.output_norm, self.layers]))
+        weights.prepare(_arrays([self.fc, self.layers]))
 
     def context(self, features: mx.array, positions: mx.array) -> list[tuple[mx.array, mx.array]]:
         """Per drafter layer, the context K and V `[n, Hkv, D]` of committed positions
