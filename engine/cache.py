@@ -241,16 +241,23 @@ class SlotPool:
     def split_states(
         config: ModelConfig, stacked: list[mx.array]
     ) -> list[AttentionState | LinearState]:
-        """Per trunk layer, views of the stacked state `read` returns."""
+        """Per trunk layer, views of the stacked state `read` returns, each with the stack's
+        leading axis of 1 kept: one split per state kind is one node of a step's graph,
+        where a view per layer (a slice, then dropping the axis) was two — 96 of the 429
+        nodes of a 0.8B decode step, each costing host time in every step. The fused
+        kernels read these views as they are; the portable path drops the axis
+        (`engine.models.batch.unstacked`)."""
         k, v, conv, ssm = stacked
+        attn = _split(k), _split(v)
+        lin = _split(conv), _split(ssm)
         states: list[AttentionState | LinearState] = []
         ai = li = 0
         for recurrent in config.recurrent:
             if recurrent:
-                states.append(LinearState(entry(conv, li), entry(ssm, li)))
+                states.append(LinearState(lin[0][li], lin[1][li]))
                 li += 1
             else:
-                states.append(AttentionState(entry(k, ai), entry(v, ai)))
+                states.append(AttentionState(attn[0][ai], attn[1][ai]))
                 ai += 1
         return states
 
@@ -440,6 +447,16 @@ def entry(a: mx.array, i: int) -> mx.array:
     of one row on the H200, 56 µs for eight rows): 48 of them made a fifth of a 0.8B decode
     step. A slice of one entry is a view."""
     return a[i : i + 1].squeeze(0)
+
+
+def _split(a: mx.array) -> list[mx.array]:
+    """`a`'s entries along its first axis as views `[1, ...]`, by one split (no copy)."""
+    n = a.shape[0]
+    if n < 2:
+        return [a]
+    parts = mx.split(a, n, axis=0)
+    assert isinstance(parts, list)
+    return parts
 
 
 def take_slots(a: mx.array, slots: list[SlotId], axis: int, max_runs: int) -> mx.array:

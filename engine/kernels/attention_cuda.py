@@ -84,7 +84,13 @@ _ATTEND = """
     const int lane = threadIdx.x & 31;
     const int w = threadIdx.x >> 5;
     const int T = pad_index_shape[1];
-    const int S = k_past_shape[1];
+    // The past is read through its strides ([.., B, S, HKV, D], D unit-strided): a pool view
+    // of several slots' first S entries is not contiguous, and copying it would cost a
+    // launch and its bytes per layer and step.
+    const int ND = k_past_ndim;
+    const int S = k_past_shape[ND - 3];
+    const long KB = k_past_strides[ND - 4], KS = k_past_strides[ND - 3], KH = k_past_strides[ND - 2];
+    const long VB = v_past_strides[ND - 4], VS = v_past_strides[ND - 3], VH = v_past_strides[ND - 2];
     const int h = blockIdx.x % H;
     const int t = (blockIdx.x / H) % T;
     const int b = blockIdx.x / (H * T);
@@ -111,14 +117,16 @@ _ATTEND = """
         for (int u = 0; u < U; ++u) {
             const int j = j0 + u;
             if (j > last) break;
-            const long at = j < start ? ((long(b) * S + j) * HKV + kvh) * D
-                                      : (long(pad_index[b * T + j - start]) * HKV + kvh) * D;
-            const auto* ks = j < start ? k_past : k_new;
-            const auto* vs = j < start ? v_past : v_new;
+            const bool past = j < start;
+            const long at_new = (long(pad_index[b * T + (past ? 0 : j - start)]) * HKV + kvh) * D;
+            const long at_k = past ? b * KB + j * KS + kvh * KH : at_new;
+            const long at_v = past ? b * VB + j * VS + kvh * VH : at_new;
+            const auto* ks = past ? k_past : k_new;
+            const auto* vs = past ? v_past : v_new;
             #pragma unroll
             for (int e = 0; e < PER; ++e) {
-                kf[u][e] = static_cast<float>(ks[at + lane + 32 * e]);
-                vf[u][e] = static_cast<float>(vs[at + lane + 32 * e]);
+                kf[u][e] = static_cast<float>(ks[at_k + lane + 32 * e]);
+                vf[u][e] = static_cast<float>(vs[at_v + lane + 32 * e]);
             }
         }
         #pragma unroll
@@ -183,15 +191,22 @@ def attention_cuda(
 
     `proj` `[N, W]`: the packed output of the fused projection, columns
     `[per head (q D | gate D) x H | k Hkv*D | v Hkv*D]`; the `Layout` arrays of the
-    batch; `k_past`, `v_past` `[B, S, Hkv, D]` (S >= 1; row b's first
-    `row_starts[b]` entries are read); the q/k norm weights; `omega` `[rope_dim/2]`,
+    batch; `k_past`, `v_past` `[B, S, Hkv, D]`, or with a leading axis of 1 (S >= 1; row
+    b's first `row_starts[b]` entries are read; any strides but a unit one along D); the q/k norm weights; `omega` `[rope_dim/2]`,
     the angular frequency of each rotary pair (0: unrotated).
     Returns the gated attention output `[N, H*D]` in `proj`'s dtype and the new
     keys and values `[N, Hkv, D]` in the past's dtype (what the pool stores).
     """
     N, W = proj.shape
-    B, S, Hkv, D = k_past.shape
-    if D % 32 or Hkv != n_kv_heads or n_heads % n_kv_heads or S < 1:
+    B, S, Hkv, D = k_past.shape[-4:]
+    if (
+        k_past.ndim > 5
+        or v_past.shape != k_past.shape
+        or D % 32
+        or Hkv != n_kv_heads
+        or n_heads % n_kv_heads
+        or S < 1
+    ):
         raise ValueError(f"attention_cuda: unsupported shapes past={k_past.shape} H={n_heads}")
     T = pad_index.shape[1]
     f32, kv_dtype = mx.float32, k_past.dtype
@@ -238,6 +253,9 @@ def attention_cuda(
         ],
         ["out"],
         f"    constexpr float SCALE = {scale!r}f;\n" + _ATTEND,
+        # the past is read through its strides; every other input is a kernel's or a
+        # product's output or a layout array, contiguous as made
+        contiguous=False,
     )
     block = 256
     (out,) = attend(

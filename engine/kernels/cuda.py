@@ -31,11 +31,17 @@ def switched_on(name: str) -> bool:
 
 
 def cached_kernel(
-    family: str, variant: str, inputs: list[str], outputs: list[str], source: str
+    family: str,
+    variant: str,
+    inputs: list[str],
+    outputs: list[str],
+    source: str,
+    contiguous: bool = True,
 ) -> Any:
     """The `mx.fast.cuda_kernel` of `family` for `variant` (a source variant: floats such as
     eps are baked into the source, as template arguments are integers and types only),
-    made once per process."""
+    made once per process. `contiguous`: MLX copies every input that is not row-contiguous
+    before the launch (a kernel that reads its inputs' strides says False)."""
     key = (family, variant)
     kernel = _kernels.get(key)
     if kernel is None:
@@ -44,5 +50,6 @@ def cached_kernel(
             input_names=inputs,
             output_names=outputs,
             source=source,
+            ensure_row_contiguous=contiguous,
         )
     return kernel

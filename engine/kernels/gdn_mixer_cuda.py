@@ -243,7 +243,7 @@ def gdn_mixer_cuda(
     `proj` `[N, W]`: the packed output of the input projection, columns
     `[conv inputs Cc | z Hv*dv | beta, alpha]`; `pad_index` `[B, T]` and
     `row_lengths` `[B]` from the batch `Layout`; state conv `[B, Kc-1, Cc]` and
-    ssm `[B, Hv, dv, dk]` (f32). Returns the gated, normalised output `[N, Hv*dv]`
+    ssm `[B, Hv, dv, dk]` (f32; either may have a leading axis of 1, as the pool's views do). Returns the gated, normalised output `[N, Hv*dv]`
     in `proj`'s dtype, the final ssm state, the new conv state (f32) and, when
     `capture_rows` names rows, their capture: (windows `[Bc, Kc-1+T, Cc]`, states
     `[Bc, T+1, Hv, dv, dk]`), as `LinearCapture` holds them.
@@ -273,7 +273,7 @@ def gdn_mixer_cuda(
         _source(eps, capture),
     )
     N, W = proj.shape
-    B, Hv, dv, dk = ssm.shape
+    B, Hv, dv, dk = ssm.shape[-4:]
     Cc, Kc = conv_w.shape
     T = pad_index.shape[1]
     nw = 8 if dv % 8 == 0 else 1

@@ -104,12 +104,19 @@ class Layout:
         return flat if self.uniform else flat[self.pack_index]
 
 
+def unstacked(a: mx.array, ndim: int) -> mx.array:
+    """`a` without the leading axis of 1 that a state read from the pool keeps (the pool's
+    layer axis: `SlotPool.split_states`), as the portable path wants it; a view."""
+    return a.reshape(a.shape[-ndim:]) if a.ndim > ndim else a
+
+
 @dataclass
 class AttentionState:
     """Past keys and values of one attention layer for the rows of a batch.
 
-    `k`, `v`: `[B, S, Hkv, D]`; row b's first `Layout.row_starts[b]` entries are valid.
-    The forward returns the new entries (`[B, T, Hkv, D]`, post-norm, post-rope).
+    `k`, `v`: `[B, S, Hkv, D]` — or `[1, B, S, Hkv, D]` as the pool hands them to a
+    forward (`unstacked` drops the axis); row b's first `Layout.row_starts[b]` entries are
+    valid. The forward returns the new entries (`[B, T, Hkv, D]`, post-norm, post-rope).
     """
 
     k: mx.array
@@ -121,7 +128,8 @@ class LinearState:
     """Gated DeltaNet state of one layer for the rows of a batch.
 
     `conv`: `[B, Kc-1, Cc]` last conv inputs; `ssm`: `[B, Hv, dv, dk]` f32, in the
-    file's head order.
+    file's head order. As the pool hands them to a forward, each has a leading axis of 1
+    (`unstacked` drops it); the forward returns them without.
     """
 
     conv: mx.array
