@@ -104,7 +104,10 @@ def shape(w: Weight) -> tuple[int, int]:
 
 
 def timed(
-    ws: list[Weight], xs: dict[int, mx.array], variant: tuple[int, ...] | None, reps: int
+    ws: list[Weight],
+    xs: dict[int, mx.array],
+    variant: tuple[int | None, ...] | None,
+    reps: int,
 ) -> float:
     """Best seconds of one evaluation of every product of `ws`: MLX's (`variant` None) or
     the kernel's with (outputs per block, rounds in flight, warps per block). Eager: wrapping the products in
@@ -123,20 +126,29 @@ def timed(
     return best
 
 
+def variant_name(variant: tuple[int | None, ...]) -> str:
+    return "auto" if None in variant else "x".join(map(str, variant))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", type=Path, help="*.gguf files to read")
     ap.add_argument("--synthetic", help="PRESET:BITS,... (presets: 0.8b, 9b; bits 16, 8, 4)")
     ap.add_argument("--rows", default="1,4,8")
     ap.add_argument(
-        "--variants", default="4x1x4", help="OUTSxUxSPLIT,... of the kernel (its default: 4x1x4)"
+        "--variants",
+        default="auto",
+        help="OUTSxUxSPLIT,... of the kernel; auto: its defaults (4x1, split by split_for)",
     )
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not available():
         raise SystemExit("gemv_bench: the kernel needs MLX's CUDA backend")
-    variants = [tuple(int(v) for v in t.split("x")) for t in args.variants.split(",")]
+    variants = [
+        (4, 1, None) if t == "auto" else tuple(int(v) for v in t.split("x"))
+        for t in args.variants.split(",")
+    ]
     sets: list[tuple[str, Callable[[], list[Weight]]]] = []
     for path in sorted(args.model_dir.glob("*.gguf")) if args.model_dir else []:
         sets.append((path.name, functools.partial(from_file, path)))
@@ -148,7 +160,7 @@ def main() -> None:
         ws = make()
         total = sum(nbytes(w) for w in ws)
         print(f"\n## {label_set}: {len(ws)} matrices, {total / 1e9:.3f} GB", flush=True)
-        heads = " | ".join(f"{'x'.join(map(str, v))} µs | GB/s" for v in variants)
+        heads = " | ".join(f"{variant_name(v)} µs | GB/s" for v in variants)
         print(f"| rows | shapes | MLX µs | GB/s | {heads} |")
         print("|---|---|---|---|" + "---|---|" * len(variants))
         for R in [int(r) for r in args.rows.split(",")]:
@@ -171,10 +183,7 @@ def main() -> None:
                         "matrices": len(sel),
                         "bytes": b,
                         "mlx_us": mlx_s * 1e6,
-                        "ours_us": {
-                            "x".join(map(str, v)): t * 1e6
-                            for v, t in zip(variants, ours, strict=True)
-                        },
+                        "ours_us": {variant_name(v): t * 1e6 for v, t in zip(variants, ours, strict=True)},
                     }
                 )
                 cells = " | ".join(f"{t * 1e6:.0f} | {b / t / 1e9:.0f}" for t in ours)

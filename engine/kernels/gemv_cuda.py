@@ -159,18 +159,29 @@ def fits(x: mx.array, w: Weight) -> bool:
     return w.ndim == 2 and w.shape[1] == K and w.dtype == x.dtype and K * w.itemsize % 16 == 0
 
 
-def gemv_cuda(x: mx.array, w: Weight, outs: int = 4, unroll: int = 1, split: int = 4) -> mx.array:
+def split_for(rows: int, n_out: int, outs: int) -> int:
+    """Warps per block sharing K, as measured on the H200 (9B shapes, 8-bit; docs/PERFORMANCE.md,
+    session 6): 4 for one row of a matrix with fewer than 2048 blocks of outputs (the 4096-
+    and 12288-wide ones: 4x the warps in flight), else 1 (wide matrices have warps enough,
+    and at 8 rows each warp's own work is what counts)."""
+    return 4 if rows == 1 and -(-n_out // outs) < 2048 else 1
+
+
+def gemv_cuda(
+    x: mx.array, w: Weight, outs: int = 4, unroll: int = 1, split: int | None = None
+) -> mx.array:
     """`x @ W.T` for `x` `[..., K]` with at most `MAX_ROWS` rows and `W` `(N, K)` (float in
     x's dtype, or affine-quantized), in x's dtype; `fits(x, w)` must hold. Tuning knobs
     (`bench/gemv_bench.py`): `outs` outputs per block, `unroll` rounds of loads in flight,
-    `split` warps per block sharing the outputs' K."""
+    `split` warps per block sharing the outputs' K (None: `split_for`)."""
+    if not fits(x, w):
+        raise ValueError(f"gemv_cuda: x {x.shape} {x.dtype} does not fit this kernel's layouts")
     R = x.size // x.shape[-1]
+    split = split_for(R, w.shape[0], outs) if split is None else split
     if not (outs >= 1 and R * outs <= 32 and unroll >= 1 and 1 <= split <= 32):
         raise ValueError(
             f"gemv_cuda: no kernel for {R} rows, outs={outs} unroll={unroll} split={split}"
         )
-    if not fits(x, w):
-        raise ValueError(f"gemv_cuda: x {x.shape} {x.dtype} does not fit this kernel's layouts")
     K = x.shape[-1]
     lead = x.shape[:-1]
     if isinstance(w, QuantizedWeight):
