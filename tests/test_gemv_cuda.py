@@ -109,6 +109,11 @@ def test_leading_dims_are_kept_and_big_batches_fall_back(monkeypatch: pytest.Mon
     assert not gemv_cuda.fits(big, w)
     ref = mx.quantized_matmul(big, w.weight, w.scales, w.biases, group_size=32, bits=8)
     assert bool(mx.array_equal(matmul(big, w), ref))
+    # 8 rows of a matrix this wide: MLX's kernel is the faster one (measured), so it runs
+    wide, eight = _quantized(16384, 256, 8, mx.bfloat16), _x(gemv_cuda.MAX_ROWS, 256, mx.bfloat16)
+    assert gemv_cuda.fits(eight, wide) and not gemv_cuda.preferred(eight, wide)
+    ref = mx.quantized_matmul(eight, wide.weight, wide.scales, wide.biases, group_size=32, bits=8)
+    assert bool(mx.array_equal(matmul(eight, wide), ref))
     monkeypatch.setenv("SLOTSERVE_FUSED_GEMV", "0")
     ref = mx.quantized_matmul(x, w.weight, w.scales, w.biases, group_size=32, bits=8)
     assert bool(mx.array_equal(matmul(x, w), ref))

@@ -159,6 +159,15 @@ def fits(x: mx.array, w: Weight) -> bool:
     return w.ndim == 2 and w.shape[1] == K and w.dtype == x.dtype and K * w.itemsize % 16 == 0
 
 
+def preferred(x: mx.array, w: QuantizedWeight) -> bool:
+    """Whether this kernel beats MLX's quantized matmul on a product it fits, as measured on
+    the H200 (9B shapes, 8-bit; docs/PERFORMANCE.md, session 6): everywhere but at 8 rows on
+    a matrix of 16384 outputs or more, where MLX's own kernel for many rows read 24576x4096
+    in 2963 us against 3737 (32 matrices) and the LM head in 633 against 1022. (At 4 rows MLX
+    read the LM head 3x slower than this kernel; 5-7 rows were not measured.)"""
+    return x.size // x.shape[-1] < MAX_ROWS or w.shape[0] < 16384
+
+
 def split_for(rows: int, n_out: int, outs: int) -> int:
     """Warps per block sharing K, as measured on the H200 (9B shapes, 8-bit; docs/PERFORMANCE.md,
     session 6): 4 for one row of a matrix with fewer than 2048 blocks of outputs (the 4096-

@@ -70,7 +70,7 @@ def matmul(x: mx.array, w: Weight) -> mx.array:
     """`x @ W.T` for a float or quantized `(out, in)` matrix; a decode-sized x on MLX's CUDA
     backend through `engine.kernels.gemv_cuda`, which reads quantized weights faster."""
     if isinstance(w, QuantizedWeight):
-        if gemv_cuda.enabled() and gemv_cuda.fits(x, w):
+        if gemv_cuda.enabled() and gemv_cuda.fits(x, w) and gemv_cuda.preferred(x, w):
             return gemv_cuda.gemv_cuda(x, w)
         return mx.quantized_matmul(
             x, w.weight, w.scales, w.biases, transpose=True, group_size=w.group_size, bits=w.bits
