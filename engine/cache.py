@@ -266,9 +266,10 @@ class SlotPool:
         """The layers' new state stacked for `write`: K/V packed `[La, N, Hkv, D]`, conv, ssm."""
         attn = [s for s in new if isinstance(s, AttentionState)]
         lin = [s for s in new if isinstance(s, LinearState)]
+        packed = [s.packed or (layout.to_packed(s.k), layout.to_packed(s.v)) for s in attn]
         return [
-            stack_cuda.stack([layout.to_packed(s.k) for s in attn]),
-            stack_cuda.stack([layout.to_packed(s.v) for s in attn]),
+            stack_cuda.stack([k for k, _ in packed]),
+            stack_cuda.stack([v for _, v in packed]),
             stack_cuda.stack([s.conv for s in lin]),
             stack_cuda.stack([s.ssm for s in lin]),
         ]
@@ -449,14 +450,23 @@ def entry(a: mx.array, i: int) -> mx.array:
     return a[i : i + 1].squeeze(0)
 
 
+SPLIT_PARTS = 10  # MLX splits into at most this many parts by one node; into more, by a slice each
+
+
 def _split(a: mx.array) -> list[mx.array]:
-    """`a`'s entries along its first axis as views `[1, ...]`, by one split (no copy)."""
+    """`a`'s entries along its first axis as views `[1, ...]`, by as few split nodes as MLX
+    allows (no copy): an 18-layer stack is 3 nodes (into [10, 8], then each), not 18."""
     n = a.shape[0]
     if n < 2:
         return [a]
-    parts = mx.split(a, n, axis=0)
-    assert isinstance(parts, list)
-    return parts
+    if n <= SPLIT_PARTS:
+        parts = mx.split(a, n, axis=0)
+        assert isinstance(parts, list)
+        return parts
+    size = max(SPLIT_PARTS, -(-n // SPLIT_PARTS))  # groups: as large as one split takes
+    groups = mx.split(a, list(range(size, n, size)), axis=0)
+    assert isinstance(groups, list)
+    return [part for group in groups for part in _split(group)]
 
 
 def take_slots(a: mx.array, slots: list[SlotId], axis: int, max_runs: int) -> mx.array:

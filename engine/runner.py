@@ -279,7 +279,7 @@ class ModelRunner:
         ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
             tokens, hidden, *layout_arrays = inputs
             lay = layout.with_arrays(layout_arrays)
-            logits, h, new = mtp(tokens, hidden, lay, AttentionState(*kv))
+            logits, h, new = mtp(tokens, hidden, lay, AttentionState(kv[0], kv[1]))
             return logits.astype(mx.float32), h, new.k, new.v
 
         return self._kept_or(key, draft)
@@ -300,7 +300,7 @@ class ModelRunner:
             shape = shaping.with_arrays(rest[5:])
             q = shape(logits)
             tokens, qs, ks, vs = [draw(q, uniforms[:, 0])], [q], [], []
-            past = AttentionState(*kv) if kv else None
+            past = AttentionState(kv[0], kv[1]) if kv else None
             for d in range(1, depth):
                 at = dataclasses.replace(lay, row_starts=lay.row_starts + (d - 1))
                 assert past is not None

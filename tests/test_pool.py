@@ -204,6 +204,28 @@ def test_rows_on_consecutive_slots_are_read_as_runs_in_batch_order() -> None:
     assert _runs([SlotId(2), SlotId(1)]) == [(2, 3), (1, 2)]
 
 
+@pytest.mark.parametrize("layers", [1, 2, 7, 10, 11, 18, 24, 48])
+def test_a_stacked_state_is_split_into_every_layers_view_by_few_graph_nodes(
+    layers: int, tmp_path: Path
+) -> None:
+    """Each layer's view equals its entry of the stack; a step's graph gets at most one split
+    node per 10 layers (plus one) rather than a slice and a squeeze per layer: MLX splits
+    into more than 10 parts by a slice each, so the split goes by groups."""
+    from engine.cache import _split
+
+    stacked = mx.arange(layers * 2 * 3).reshape(layers, 2, 3)
+    mx.eval(stacked)
+    views = _split(stacked)
+    assert len(views) == layers
+    for i, view in enumerate(views):
+        assert view.shape == (1, 2, 3)
+        assert bool(mx.array_equal(view[0], stacked[i]))
+    dot = tmp_path / "split.dot"
+    mx.export_to_dot(str(dot), *_split(stacked))
+    nodes = dot.read_text().count("shape=rectangle")
+    assert nodes <= (layers > 1) * (1 + -(-layers // 10) * (layers > 10))
+
+
 def test_rolling_back_many_slots_at_once_equals_one_at_a_time(model: Model) -> None:
     """Five slots verify drafts in one step (four runs of slots: the pool is written by a
     scatter); `rollback_many` leaves every slot bit-identical to

@@ -121,6 +121,9 @@ class AttentionState:
 
     k: mx.array
     v: mx.array
+    # New entries as the fused kernel made them, packed `[N, Hkv, D]` (a forward's result
+    # only): what the pool stores, without a round trip through the padded view.
+    packed: tuple[mx.array, mx.array] | None = None
 
 
 @dataclass

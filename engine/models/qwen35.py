@@ -137,7 +137,9 @@ class Attention:
                 rope_dim=cfg.rope_dim,
                 eps=eps,
             )
-            new = AttentionState(layout.to_padded(k_new), layout.to_padded(v_new))
+            new = AttentionState(
+                layout.to_padded(k_new), layout.to_padded(v_new), packed=(k_new, v_new)
+            )
             return matmul(out, self.wo), new
         state = AttentionState(unstacked(state.k, 4), unstacked(state.v, 4))
         qg, k, v = (layout.to_padded(y) for y in self.qkv(x))
