@@ -40,7 +40,10 @@ def sample(c: Contender, n: int, prompt: int, steps: int, seed: int, vocab: int)
             for row, t in zip(out, toks, strict=True):
                 row.append(t)
             toks = c.greedy(toks)
-    return {"decode_s": m.wall, "cores": m.cores, "others": m.others, "tokens": out}
+    res = {"decode_s": m.wall, "cores": m.cores, "others": m.others, "tokens": out}
+    if hasattr(c, "timings"):  # ours: where a step's wall time went (ms, medians)
+        res["phases_ms"] = c.timings()
+    return res
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -67,10 +70,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     res = harness.measure(w, sample, args.quiet, args.retries, **kw)
                     if i >= args.warmup:
                         samples[n, w.side.name].append(res)
+                    phases = res.get("phases_ms")
                     print(
                         f"  N={n:<3} {w.side.name:<14} sample {i}: "
                         f"{n * args.steps / res['decode_s']:7.1f} tok/s, "
                         f"others {res['others']:.2f} cores"
+                        + (
+                            f"; per step {1e3 * res['decode_s'] / args.steps:.2f} ms, of it "
+                            + ", ".join(f"{k} {v:.2f}" for k, v in phases.items())
+                            if phases
+                            else ""
+                        )
                         + (" (warm-up)" if i < args.warmup else ""),
                         flush=True,
                     )

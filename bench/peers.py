@@ -22,6 +22,7 @@ contender only loads its own library in its worker process.
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -66,6 +67,7 @@ class Ours:
         self.runner: Any = None
         self.slots: list[Any] = []
         self.lengths: list[int] = []
+        self.phases: dict[str, list[float]] = {"step": [], "host": [], "sample": []}
 
     def start(self, n_seq: int, n_ctx: int) -> None:
         from engine.cache import SlotPool
@@ -96,8 +98,22 @@ class Ours:
 
         from engine.runner import last_logits
 
+        t0 = time.perf_counter()
         out = self._run([[t] for t in tokens])
-        return [int(t) for t in mx.argmax(last_logits(out.rows), axis=-1).tolist()]
+        t1 = time.perf_counter()
+        tokens = [int(t) for t in mx.argmax(last_logits(out.rows), axis=-1).tolist()]
+        self.phases["step"].append(t1 - t0)
+        self.phases["host"].append(self.runner.last_host_s)
+        self.phases["sample"].append(time.perf_counter() - t1)
+        return tokens
+
+    def timings(self) -> dict[str, float]:
+        """Median ms of each phase of the `greedy` calls since the last call: `step`
+        (`ModelRunner.step`), `host` (its part before evaluation), `sample` (argmax and
+        `tolist`). What the wall time per step holds beyond them is the driver's."""
+        out = {k: 1e3 * float(np.median(v)) for k, v in self.phases.items() if v}
+        self.phases = {k: [] for k in self.phases}
+        return out
 
     def _step(self, rows: list[list[int]]) -> list[Any]:
         """One runner step; each row's last-position logits (`mx.array [vocab]`)."""
