@@ -242,9 +242,9 @@ class SlotPool:
         config: ModelConfig, stacked: list[mx.array]
     ) -> list[AttentionState | LinearState]:
         """Per trunk layer, views of the stacked state `read` returns, each with the stack's
-        leading axis of 1 kept: one split per state kind is one node of a step's graph,
-        where a view per layer (a slice, then dropping the axis) was two — 96 of the 429
-        nodes of a 0.8B decode step, each costing host time in every step. The fused
+        leading axis of 1 kept: split per state kind, a few nodes of a step's graph where a
+        view per layer (a slice, then dropping the axis) was two — 96 of the 429 nodes of a
+        0.8B decode step, each costing host time in every step. The fused
         kernels read these views as they are; the portable path drops the axis
         (`engine.models.batch.unstacked`)."""
         k, v, conv, ssm = stacked
@@ -450,7 +450,7 @@ def entry(a: mx.array, i: int) -> mx.array:
     return a[i : i + 1].squeeze(0)
 
 
-SPLIT_PARTS = 10  # MLX splits into at most this many parts by one node; into more, by a slice each
+SPLIT_PARTS = 10  # MLX splits into at most this many parts by one node; more, by a slice each
 
 
 def _split(a: mx.array) -> list[mx.array]:

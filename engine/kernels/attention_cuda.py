@@ -89,8 +89,10 @@ _ATTEND = """
     // launch and its bytes per layer and step.
     const int ND = k_past_ndim;
     const int S = k_past_shape[ND - 3];
-    const long KB = k_past_strides[ND - 4], KS = k_past_strides[ND - 3], KH = k_past_strides[ND - 2];
-    const long VB = v_past_strides[ND - 4], VS = v_past_strides[ND - 3], VH = v_past_strides[ND - 2];
+    const long KB = k_past_strides[ND - 4], KS = k_past_strides[ND - 3];
+    const long KH = k_past_strides[ND - 2];
+    const long VB = v_past_strides[ND - 4], VS = v_past_strides[ND - 3];
+    const long VH = v_past_strides[ND - 2];
     const int h = blockIdx.x % H;
     const int t = (blockIdx.x / H) % T;
     const int b = blockIdx.x / (H * T);
@@ -192,8 +194,9 @@ def attention_cuda(
     `proj` `[N, W]`: the packed output of the fused projection, columns
     `[per head (q D | gate D) x H | k Hkv*D | v Hkv*D]`; the `Layout` arrays of the
     batch; `k_past`, `v_past` `[B, S, Hkv, D]`, or with a leading axis of 1 (S >= 1; row
-    b's first `row_starts[b]` entries are read; any strides but a unit one along D); the q/k norm weights; `omega` `[rope_dim/2]`,
-    the angular frequency of each rotary pair (0: unrotated).
+    b's first `row_starts[b]` entries are read; any strides but a unit one along D); the
+    q/k norm weights; `omega` `[rope_dim/2]`, the angular frequency of each rotary pair (0:
+    unrotated).
     Returns the gated attention output `[N, H*D]` in `proj`'s dtype and the new
     keys and values `[N, Hkv, D]` in the past's dtype (what the pool stores).
     """

@@ -243,10 +243,11 @@ def gdn_mixer_cuda(
     `proj` `[N, W]`: the packed output of the input projection, columns
     `[conv inputs Cc | z Hv*dv | beta, alpha]`; `pad_index` `[B, T]` and
     `row_lengths` `[B]` from the batch `Layout`; state conv `[B, Kc-1, Cc]` and
-    ssm `[B, Hv, dv, dk]` (f32; either may have a leading axis of 1, as the pool's views do). Returns the gated, normalised output `[N, Hv*dv]`
-    in `proj`'s dtype, the final ssm state, the new conv state (f32) and, when
-    `capture_rows` names rows, their capture: (windows `[Bc, Kc-1+T, Cc]`, states
-    `[Bc, T+1, Hv, dv, dk]`), as `LinearCapture` holds them.
+    ssm `[B, Hv, dv, dk]` (f32; either may have a leading axis of 1, as the pool's views
+    do). Returns the gated, normalised output `[N, Hv*dv]` in `proj`'s dtype, the final
+    ssm state, the new conv state (f32) and, when `capture_rows` names rows, their capture:
+    (windows `[Bc, Kc-1+T, Cc]`, states `[Bc, T+1, Hv, dv, dk]`), as `LinearCapture` holds
+    them.
     """
     capture = bool(capture_rows)
     inputs = [

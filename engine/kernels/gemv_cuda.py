@@ -169,10 +169,10 @@ def preferred(x: mx.array, w: QuantizedWeight) -> bool:
 
 
 def split_for(rows: int, n_out: int, outs: int) -> int:
-    """Warps per block sharing K, as measured on the H200 (9B shapes, 8-bit; docs/PERFORMANCE.md,
-    session 6): 4 for one row of a matrix with fewer than 2048 blocks of outputs (the 4096-
-    and 12288-wide ones: 4x the warps in flight), else 1 (wide matrices have warps enough,
-    and at 8 rows each warp's own work is what counts)."""
+    """Warps per block sharing K, as measured on the H200 (9B shapes, 8-bit;
+    docs/PERFORMANCE.md, session 6): 4 for one row of a matrix with fewer than 2048 blocks
+    of outputs (the 4096- and 12288-wide ones: 4x the warps in flight), else 1 (wide
+    matrices have warps enough, and at 8 rows each warp's own work is what counts)."""
     return 4 if rows == 1 and -(-n_out // outs) < 2048 else 1
 
 
