@@ -183,7 +183,9 @@ def main() -> None:
                         "matrices": len(sel),
                         "bytes": b,
                         "mlx_us": mlx_s * 1e6,
-                        "ours_us": {variant_name(v): t * 1e6 for v, t in zip(variants, ours, strict=True)},
+                        "ours_us": {
+                            variant_name(v): t * 1e6 for v, t in zip(variants, ours, strict=True)
+                        },
                     }
                 )
                 cells = " | ".join(f"{t * 1e6:.0f} | {b / t / 1e9:.0f}" for t in ours)
