@@ -3,6 +3,7 @@ turns one off, and one cache of compiled kernels keyed by family and source vari
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
@@ -30,6 +31,17 @@ def switched_on(name: str) -> bool:
     return available() and os.environ.get(f"SLOTSERVE_FUSED_{name}", "1") != "0"
 
 
+def kernel_name(family: str, inputs: list[str], outputs: list[str], source: str) -> str:
+    """The kernel's name, from everything that goes into its code. MLX keeps each compiled
+    kernel on disk under its name (plus its template arguments), across processes and across
+    versions of this code (`MLX_PTX_CACHE_DIR`, by default the temp directory): a name that
+    said only the family and the order of creation (as it once did) let a process load
+    another kernel's code made by an earlier process — one with another eps baked in, a
+    capture variant with other parameters, or last version's source."""
+    text = "\0".join([family, *inputs, "->", *outputs, source])
+    return f"slotserve_{family}_{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
 def cached_kernel(
     family: str,
     variant: str,
@@ -46,7 +58,7 @@ def cached_kernel(
     kernel = _kernels.get(key)
     if kernel is None:
         kernel = _kernels[key] = mx.fast.cuda_kernel(
-            name=f"slotserve_{family}_{len(_kernels)}",
+            name=kernel_name(family, inputs, outputs, source),
             input_names=inputs,
             output_names=outputs,
             source=source,
