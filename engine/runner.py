@@ -167,9 +167,30 @@ class ModelRunner:
         # nothing of a steady step. (0 in an eager runner: every step is alike.)
         self.cold_steps = 0
 
-    def step(self, batch: Sequence[Row]) -> StepOutput:
+    def step(
+        self, batch: Sequence[Row], tokens: mx.array | None = None, wait: bool = True
+    ) -> StepOutput:
+        """Run the batch; its state goes into the pool, its outputs come back.
+
+        `tokens`: the batch's tokens packed row after row, as a device array (say, the
+        previous step's argmax, still on the device) in place of the rows' own: each row's
+        `tokens` then only says how many it has. Their values are the caller's word: an
+        argmax over this model's logits is always in its vocabulary.
+
+        `wait=False` queues the forward and the pool's update without waiting for either:
+        the host can build the next step (on this step's tokens, still on the device) while
+        the device computes this one. A batch that is malformed still raises before anything
+        changes, as with `wait`; a fault on the device shows at the next evaluation and
+        leaves the rows' slots undefined — for steady decode steps, whose shapes have run
+        before. (`bench/step_roofline.py --overlap` decodes this way.)"""
         t0 = time.perf_counter()
-        slots = self._validate([r.slot for r in batch], [r.tokens for r in batch])
+        slots = self._validate(
+            [r.slot for r in batch], [r.tokens for r in batch] if tokens is None else None
+        )
+        if tokens is not None:
+            lengths = [len(r.tokens) for r in batch]
+            if 0 in lengths or tokens.shape != (sum(lengths),):
+                raise BatchError(f"tokens of shape {tokens.shape} for rows of {lengths} tokens")
         for r in batch:
             bad = [i for i in r.wanted if not 0 <= i < len(r.tokens)]
             if bad:
@@ -187,7 +208,7 @@ class ModelRunner:
         offsets = itertools.accumulate(lengths, initial=0)
         picked = [o + i for o, r in zip(offsets, batch, strict=False) for i in r.wanted]
         inputs = [
-            _token_array(batch),
+            _token_array(batch) if tokens is None else tokens.astype(mx.int32),
             mx.array(picked, dtype=mx.int32),
             *layout.arrays(),
         ]
@@ -206,9 +227,12 @@ class ModelRunner:
         # it in place, while a compiled graph would copy every state array each step.
         logits, hidden, new, captures, tapped_list = fn(inputs, self.pool.read(slots, past))
         self.last_host_s = time.perf_counter() - t0  # building inputs and the graph
-        # Compute everything before touching the pool: a step that fails here (bad
-        # input, device fault) leaves every slot exactly as it was.
-        mx.eval(logits, hidden, new, captures, tapped_list)
+        if wait:
+            # Compute everything before touching the pool: a step that fails here (bad
+            # input, device fault) leaves every slot exactly as it was.
+            mx.eval(logits, hidden, new, captures, tapped_list)
+        else:
+            mx.async_eval(logits, hidden, new, captures, tapped_list)
         tapped = tapped_list[0] if tapped_list else None
         self.pool.write(slots, tok_slot, tok_pos, new)
         # Queued, not waited for: whatever reads the pool next runs after it on the stream,

@@ -14,7 +14,7 @@ from test_pool import snapshots_equal
 
 from engine.cache import SlotPool
 from engine.models.qwen35 import Model, load_model
-from engine.runner import DraftRow, ModelRunner, Row, StepOutput
+from engine.runner import BatchError, DraftRow, ModelRunner, Row, StepOutput
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +135,66 @@ def test_a_batch_shape_is_compiled_when_it_comes_back(model: Model) -> None:
     np.testing.assert_allclose(third, first, rtol=1e-5, atol=1e-5)
     prefill(6)  # another shape: eager again, nothing more kept
     assert (runner.cold_steps, runner.cached_forwards) == (3, 1)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_decoding_on_device_tokens_without_waiting_equals_the_plain_loop(
+    model: Model, compile: bool
+) -> None:
+    """Each step fed the previous step's argmax as a device array, queued without waiting
+    (`tokens=`, `wait=False`), the host reading a step's tokens only after queueing the next
+    — the loop `step_roofline.py --overlap` runs: the same tokens, logits and slot state as
+    feeding host tokens and waiting, for rows of different lengths."""
+    prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7]]
+    runs = []
+    for overlap in (False, True):
+        pool = SlotPool(model.config, 3, 64, mx.float32)
+        runner = ModelRunner(model, pool, compile=compile)
+        slots = [pool.allocate() for _ in prompts]
+        out = runner.step([Row(s, p, 0) for s, p in zip(slots, prompts, strict=True)])
+        logits = mx.concatenate([r.logits for r in out.rows])
+        tokens: list[list[int]] = [[] for _ in slots]
+        steps: list[np.ndarray] = []
+        if overlap:
+            tok = mx.argmax(logits, axis=-1)
+            for _ in range(6):
+                rows = [Row(s, [0], pool.lengths[s]) for s in slots]
+                out = runner.step(rows, tokens=tok, wait=False)
+                logits = mx.concatenate([r.logits for r in out.rows])
+                nxt = mx.argmax(logits, axis=-1)
+                mx.async_eval(nxt)
+                for row, t in zip(tokens, tok.tolist(), strict=True):
+                    row.append(t)
+                steps.append(np.array(logits))
+                tok = nxt
+        else:
+            for _ in range(6):
+                toks = mx.argmax(logits, axis=-1).tolist()
+                for row, t in zip(tokens, toks, strict=True):
+                    row.append(t)
+                rows = [Row(s, [t], pool.lengths[s]) for s, t in zip(slots, toks, strict=True)]
+                out = runner.step(rows)
+                logits = mx.concatenate([r.logits for r in out.rows])
+                steps.append(np.array(logits))
+        runs.append((tokens, steps, [pool.snapshot(s) for s in slots]))
+    (tokens_a, steps_a, snaps_a), (tokens_b, steps_b, snaps_b) = runs
+    assert tokens_a == tokens_b
+    assert all(
+        np.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(steps_a, steps_b, strict=True)
+    )
+    assert all(snapshots_equal(a, b, atol=1e-5) for a, b in zip(snaps_a, snaps_b, strict=True))
+
+
+def test_device_tokens_of_the_wrong_shape_are_refused_and_change_nothing(model: Model) -> None:
+    pool = SlotPool(model.config, 2, 32, mx.float32)
+    runner = ModelRunner(model, pool)
+    a, b = pool.allocate(), pool.allocate()
+    runner.step([Row(a, [1, 2], 0), Row(b, [3], 0)])
+    before = [pool.snapshot(s) for s in (a, b)]
+    for tokens, rows in [
+        (mx.array([5, 6, 7]), [Row(a, [0], 2), Row(b, [0], 1)]),  # 3 tokens for 2
+        (mx.array([5]), [Row(a, [], 2), Row(b, [0], 1)]),  # an empty row
+    ]:
+        with pytest.raises(BatchError, match="tokens of shape"):
+            runner.step(rows, tokens=tokens, wait=False)
+    assert all(snapshots_equal(x, pool.snapshot(s)) for x, s in zip(before, (a, b), strict=True))
