@@ -5,7 +5,9 @@ most `MLX_MAX_OPS_PER_BUFFER` nodes (default 20) and keeps
 `MLX_CUDA_GRAPH_CACHE_SIZE` instantiated graphs (default 100). Both are read
 once per process, so each setting runs `bench/step_roofline.py` in a fresh
 process on the same model file; `SLOTSERVE_FUSED_GDN` switches our fused
-Gated DeltaNet kernel. Prints one table row per (setting, N).
+Gated DeltaNet kernel. A setting's `ARGS` entry is not an environment variable but
+arguments for step_roofline.py (`--setting overlap:ARGS=--overlap`). Prints one table
+row per (setting, N).
 
 Usage (GPU machine):
     python bench/mlx_env_sweep.py --preset qwen3.5-0.8b --quant f16 --n 1,8,32,64 \
@@ -56,8 +58,10 @@ def main() -> None:
                 f"--gen={args.gen}",
                 f"--model-dir={args.model_dir}",
                 f"--json={f.name}",
+                *env.get("ARGS", "").split(),
             ]
-            done = subprocess.run(cmd, env=os.environ | env, capture_output=True, text=True)
+            environ = os.environ | {k: v for k, v in env.items() if k != "ARGS"}
+            done = subprocess.run(cmd, env=environ, capture_output=True, text=True)
             if done.returncode != 0:
                 print(f"{name}: failed ({done.returncode})\n{done.stderr[-2000:]}", file=sys.stderr)
                 continue

@@ -10,11 +10,13 @@ For each N: N rows are prefilled, then `--steps` greedy decode steps run through
     sample    argmax over the rows' logits and `tolist` (a second round trip)
 
 Then the same steps once more with the host's work for step t+1 overlapped with the
-device's work for step t: step t+1's tokens are step t's argmax still on the device, and
-the host reads step t's tokens only after queueing step t+1. BENCHMARK ONLY: that loop drives
-the runner's internals (`_forward_fn`, `pool.read`/`write`) itself; no engine path runs steps
-like this yet (the scheduler needs each step's tokens on the host before it plans the next).
-It measures what overlapping would gain.
+device's work for step t: step t+1's tokens are step t's argmax still on the device
+(`ModelRunner.step(..., tokens=, wait=False)`), and the host reads step t's tokens only after
+queueing step t+1. The scheduler does not decode like this yet (it needs each step's tokens
+on the host before it plans the next): the column says what it would gain. (Session 6's
+readings of that column came from a first version of this loop that drove the runner's
+internals itself: the same graph and pool write, without the step's checks.) The phase
+timings wrap the runner's `_forward_fn` and the pool's `write`: BENCHMARK ONLY.
 
 `--dot FILE` writes the N = first step's compiled graph (Graphviz) and prints its nodes by
 primitive: each node costs host time twice a step (graph rebuild and evaluation), kernel or
@@ -83,26 +85,17 @@ def decode_key(layout: Layout, n: int, past: int) -> tuple[object, ...]:
 
 def overlapped(runner: ModelRunner, slots: list[int], tokens: list[int], steps: int) -> float:
     """Median seconds of a decode step whose host work overlaps the previous step's device
-    work (see the module docstring)."""
-    pool, n = runner.pool, len(slots)
-    vocab = runner.model.config.n_vocab
+    work: `ModelRunner.step(rows, tokens=<step t's argmax on the device>, wait=False)`, the
+    host reading step t's tokens after queueing step t+1 (as `step_roofline.py --overlap`)."""
+    pool = runner.pool
     tok = mx.array(tokens, dtype=mx.int32)
-    picked = mx.arange(n, dtype=mx.int32)
     prev: mx.array | None = None
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        starts = [pool.lengths[s] for s in slots]
-        layout = Layout.build([1] * n, starts, [False] * n)
-        past = runner.past_for(max(starts))
-        tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, [1] * n)
-        fn = runner._forward_fn(decode_key(layout, n, past), layout, ())
-        logits, _, new, _, _ = fn([tok, picked, *layout.arrays()], pool.read(slots, past))
-        pool.write(slots, tok_slot, tok_pos, new)
-        nxt = (mx.argmax(logits, axis=-1) % vocab).astype(mx.int32)
-        mx.async_eval(nxt, pool.k, pool.v, pool.conv, pool.ssm)
-        for s in slots:
-            pool.lengths[s] += 1
+        out = runner.step([Row(s, [0], pool.lengths[s]) for s in slots], tokens=tok, wait=False)
+        nxt = mx.argmax(mx.concatenate([r.logits for r in out.rows]), axis=-1)
+        mx.async_eval(nxt)
         if prev is not None:
             prev.tolist()  # step t's tokens, read while step t+1 is queued behind it
         prev = tok = nxt

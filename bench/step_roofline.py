@@ -86,11 +86,21 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
             prefill_s = time.perf_counter() - t
         toks = mx.argmax(mx.concatenate([r.logits for r in out.rows]), axis=-1).tolist()
         step_s, host_s = [], []
+        tok, prev = mx.array(toks, dtype=mx.int32), None
         for i in range(args.gen + args.warmup):
             t0 = time.perf_counter()
-            rows = [Row(s, [tok], pool.lengths[s]) for s, tok in zip(slots, toks, strict=True)]
-            out = runner.step(rows)
-            toks = mx.argmax(mx.concatenate([r.logits for r in out.rows]), axis=-1).tolist()
+            if args.overlap:  # step t+1 queued on step t's argmax before the host reads it
+                rows = [Row(s, [0], pool.lengths[s]) for s in slots]
+                out = runner.step(rows, tokens=tok, wait=False)
+                nxt = mx.argmax(mx.concatenate([r.logits for r in out.rows]), axis=-1)
+                mx.async_eval(nxt)
+                if prev is not None:
+                    prev.tolist()
+                prev = tok = nxt
+            else:
+                rows = [Row(s, [t], pool.lengths[s]) for s, t in zip(slots, toks, strict=True)]
+                out = runner.step(rows)
+                toks = mx.argmax(mx.concatenate([r.logits for r in out.rows]), axis=-1).tolist()
             t1 = time.perf_counter()
             if i >= args.warmup:
                 step_s.append(t1 - t0)
@@ -121,12 +131,21 @@ def main() -> None:
     p.add_argument("--gen", type=int, default=64)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--overlap",
+        action="store_true",
+        help="queue each step on the previous one's argmax (ModelRunner.step tokens=, "
+        "wait=False) and read a step's tokens only after queueing the next",
+    )
     p.add_argument("--bandwidth-tbs", type=float, default=4.3, help="device memory bandwidth, TB/s")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     results = run(args)
     dev = mx.default_device()
-    print(f"\n{args.preset} {args.quant} compute={args.dtype} compile={args.compile} device={dev}")
+    print(
+        f"\n{args.preset} {args.quant} compute={args.dtype} compile={args.compile} "
+        f"overlap={args.overlap} device={dev}"
+    )
     print(
         "| N | tok/s | step ms | host ms | host % | prefill tok/s | roofline tok/s | % roofline |"
     )
