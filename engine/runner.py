@@ -128,6 +128,18 @@ class StepOutput:
     rows: list[RowOutput] = field(default_factory=list)
 
 
+@dataclass
+class PendingStep:
+    """A decode step queued on the device and not in the pool (`ModelRunner.launch`): one
+    token per row of `slots` at `starts`; `logits [N, V]` and the rows' new state (as
+    `SlotPool.stack_states` makes it) are lazy until read."""
+
+    slots: list[SlotId]
+    starts: list[int]
+    logits: mx.array
+    new: list[mx.array]
+
+
 class ModelRunner:
     """Runs batches of rows of one model over one slot pool.
 
@@ -256,6 +268,52 @@ class ModelRunner:
             out.rows.append(RowOutput(packed=(logits, hid, at, n), taps=row_taps))
             at += n
         return out
+
+    def launch(self, slots: Sequence[SlotId], tokens: mx.array) -> PendingStep:
+        """Queue a decode step — `tokens [N]` (a device array: say, the last step's argmax)
+        at each slot's length — without touching the pool: `adopt` writes it, for all or
+        some of its rows, once the caller knows it wants them; dropped, it changed nothing.
+        A step planned on tokens the host has not read yet (the scheduler's decode-ahead)."""
+        slots = self._validate(list(slots))
+        starts = [self.pool.lengths[s] for s in slots]
+        n = len(slots)
+        if tokens.shape != (n,):
+            raise BatchError(f"tokens of shape {tokens.shape} for {n} decode rows")
+        self.pool.check_rows(slots, starts, [1] * n, [False] * n)
+        layout = Layout.build([1] * n, starts, [False] * n)
+        past = self.past_for(max(starts))
+        key = (layout.rows, layout.width, layout.uniform, layout.capture, n, past, n, ())
+        fn = self._forward_fn(key, layout, ())
+        inputs = [tokens.astype(mx.int32), mx.arange(n, dtype=mx.int32), *layout.arrays()]
+        logits, _, new, _, _ = fn(inputs, self.pool.read(slots, past))
+        mx.async_eval(logits, new)
+        return PendingStep(slots, starts, logits, new)
+
+    def adopt(self, pending: PendingStep, keep: Sequence[int]) -> StepOutput:
+        """Write the rows `keep` (indices into `pending`'s, in the order wanted) of a
+        launched step into the pool, as `step` would have, and return their outputs in that
+        order. Raises `BatchError`, changing nothing, if a kept slot has moved since the
+        launch (freed, reset, stepped)."""
+        slots = [pending.slots[i] for i in keep]
+        starts = [pending.starts[i] for i in keep]
+        if len(set(slots)) != len(slots):
+            raise BatchError(f"a pending row kept twice: {list(keep)}")
+        moved = [s for s, n in zip(slots, starts, strict=True) if self.pool.lengths[s] != n]
+        if moved or not slots:
+            raise BatchError(
+                f"slots {moved} moved since the step was launched" if moved else "no rows kept"
+            )
+        self.pool.check_rows(slots, starts, [1] * len(slots), [False] * len(slots))
+        new, logits = pending.new, pending.logits
+        if list(keep) != list(range(len(pending.slots))):  # rows are tokens: one index serves
+            at = mx.array(list(keep), dtype=mx.int32)
+            new = [a[:, at] for a in new]
+            logits = logits[at]
+        tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, [1] * len(slots))
+        self.pool.write(slots, tok_slot, tok_pos, new)
+        mx.async_eval(self.pool.k, self.pool.v, self.pool.conv, self.pool.ssm)
+        self.pool.commit(slots, starts, [1] * len(slots), [None] * len(self.model.layers))
+        return StepOutput([RowOutput(packed=(logits, None, i, 1)) for i in range(len(slots))])
 
     def past_for(self, start: int) -> int:
         """How much past K/V a step whose latest row starts at `start` reads: `start` rounded

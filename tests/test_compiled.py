@@ -198,3 +198,36 @@ def test_device_tokens_of_the_wrong_shape_are_refused_and_change_nothing(model: 
         with pytest.raises(BatchError, match="tokens of shape"):
             runner.step(rows, tokens=tokens, wait=False)
     assert all(snapshots_equal(x, pool.snapshot(s)) for x, s in zip(before, (a, b), strict=True))
+
+
+def test_a_launched_step_changes_nothing_until_adopted_and_then_only_its_kept_rows(
+    model: Model,
+) -> None:
+    """`launch` queues a decode step without touching the pool; `adopt` writes the rows kept
+    (in the order asked) exactly as a step of those rows alone would, and leaves the
+    others' slots as they were. A slot that moved since the launch is refused."""
+    prompts = [[3, 1, 4], [1, 5, 9, 2], [6, 5]]
+    pools = [SlotPool(model.config, 3, 32, mx.float32) for _ in range(2)]
+    runners = [ModelRunner(model, pool) for pool in pools]
+    slots = [[pool.allocate() for _ in prompts] for pool in pools]
+    for runner, ss in zip(runners, slots, strict=True):
+        runner.step([Row(s, p, 0) for s, p in zip(ss, prompts, strict=True)])
+    tokens = [7, 8, 9]
+    runner, pool, ss = runners[0], pools[0], slots[0]
+    before = [pool.snapshot(s) for s in ss]
+    pending = runner.launch(ss, mx.array(tokens))
+    mx.eval(pending.logits)
+    assert all(snapshots_equal(b, pool.snapshot(s)) for b, s in zip(before, ss, strict=True))
+    out = runner.adopt(pending, [2, 0])  # rows 2 and 0, in that order; row 1 dropped
+    want = runners[1].step([Row(slots[1][2], [9], 2), Row(slots[1][0], [7], 3)])
+    for got, ref in zip(out.rows, want.rows, strict=True):
+        assert _close(got.logits, ref.logits)
+    for a, b in [(ss[0], slots[1][0]), (ss[2], slots[1][2])]:
+        assert snapshots_equal(pool.snapshot(a), pools[1].snapshot(b), atol=1e-6)
+    assert snapshots_equal(before[1], pool.snapshot(ss[1]))
+    pending = runner.launch(ss[:2], mx.array([1, 2]))
+    runner.step([Row(ss[0], [4], pool.lengths[ss[0]])])  # slot 0 moves on
+    kept = pool.snapshot(ss[1])
+    with pytest.raises(BatchError, match="moved"):
+        runner.adopt(pending, [1, 0])
+    assert snapshots_equal(kept, pool.snapshot(ss[1]))
