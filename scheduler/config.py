@@ -19,7 +19,9 @@ class SchedulerConfig:
     what the pool holds for all slots). `shutdown_grace_s`: how long running requests
     may go on after shutdown begins. `fault_hook`: test-only (see `scheduler.step`).
     `prefix_cache`: exact reuse of cached prompt prefixes (None: off; see
-    `scheduler.prefix_reuse`).
+    `scheduler.prefix_reuse`). `decode_ahead`: while the host resolves a step of plain
+    greedy decode rows, the next is already computing on the device (`scheduler.step`;
+    the same tokens either way; not yet measured on a GPU, so off by default).
     """
 
     max_queue: int = 256
@@ -31,6 +33,7 @@ class SchedulerConfig:
     shutdown_grace_s: float = 10.0
     fault_hook: FaultHook | None = None
     prefix_cache: PrefixCacheConfig | None = None
+    decode_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:

@@ -86,7 +86,10 @@ class Scheduler:
         self.config = config = config or SchedulerConfig()
         pool = runner.pool
         self._stepper = Stepper(
-            runner, speculator or Speculator(runner, pool.max_draft), config.fault_hook
+            runner,
+            speculator or Speculator(runner, pool.max_draft),
+            config.fault_hook,
+            config.decode_ahead,
         )
         self._queue: WaitQueue[Sequence] = WaitQueue(
             config.max_queue, config.policy, config.aging_per_s

@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from operator import attrgetter, itemgetter
 from typing import Any
 
@@ -33,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cache import PoolError, SlotId
-from engine.runner import BatchError, ModelRunner, Row, RowOutput
+from engine.runner import BatchError, ModelRunner, PendingStep, Row, RowOutput, last_logits
 from engine.sampling import on_host, top_logprobs
 from engine.spec.controller import CostController
 from engine.spec.speculator import (
@@ -115,6 +116,16 @@ def prefill_chunks(prefilling: Sequence[Seq], budget: int, max_chunk: int) -> li
     return chunks
 
 
+@dataclass
+class Ahead:
+    """The decode step queued past the last one (decode-ahead), not in the pool: `seqs`'
+    rows in order, fed `tokens` (the last step's argmax, on the device)."""
+
+    seqs: list[Seq]
+    tokens: mx.array
+    pending: PendingStep
+
+
 HOST_ONLY = (int, float, str, bool, type(None), SpecStats, CostController)
 """Types that hold no MLX arrays: `materialize` does not look inside them (the per-slot
 telemetry and the cost controller's estimates would cost a walk per step)."""
@@ -146,13 +157,26 @@ class Stepper:
     """Runs `StepPlan`s on the step thread (one at a time)."""
 
     def __init__(
-        self, runner: ModelRunner, speculator: Speculator, fault_hook: FaultHook | None = None
+        self,
+        runner: ModelRunner,
+        speculator: Speculator,
+        fault_hook: FaultHook | None = None,
+        decode_ahead: bool = False,
     ) -> None:
         if speculator.runner is not runner:
             raise ValueError("the Speculator must drive the scheduler's own runner")
         self.runner = runner
         self.speculator = speculator
         self.fault_hook = fault_hook
+        # Decode-ahead: after a step of plain greedy decode rows, the next one is queued on
+        # the device (on this step's argmax, not yet read) while the host resolves this
+        # one and the loop plans the next; that plan takes the queued rows it matches
+        # exactly, the pool untouched until then (see `_adopted`).
+        self.decode_ahead = decode_ahead and fault_hook is None
+        self._ahead: Ahead | None = None
+        self.ahead_adopted = 0  # decode-ahead steps taken (in part or whole) / dropped
+        self.ahead_dropped = 0
+        self.ahead_beside_prefill = 0  # taken while new prompts' chunks ran on their own
         materialize(speculator)  # its runner's model and pool, its drafters
 
     def run(self, plan: StepPlan) -> StepResult:
@@ -162,6 +186,7 @@ class Stepper:
             self._run(plan, result)
             self._settle()
         except Exception as e:  # a fault outside any forward: the step's requests fail
+            self._ahead = None
             done = {id(s) for s, _ in result.failed}
             everyone = plan.admit + plan.decoding + plan.prefilling
             result.failed += [(s, _describe(e)) for s in everyone if id(s) not in done]
@@ -193,10 +218,29 @@ class Stepper:
         chunks = prefill_chunks(prefilling, budget, plan.max_chunk)
         entries = [(c.seq, self._prefill_row(c)) for c in chunks]
         entries += list(zip(decoding, rows, strict=True))
+        ahead, self._ahead = self._ahead, None
         if not entries:
             return
         t1 = time.perf_counter()
-        outputs = self._forward(entries, result)
+        launch = (
+            partial(self._launch_ahead, decoding, states)
+            if self.decode_ahead and not chunks
+            else None
+        )
+        base = len(chunks)
+        adopted = (
+            None if ahead is None or base == len(entries) else self._adopted(ahead, entries[base:])
+        )
+        if adopted is not None:
+            # The decode rows were computed ahead; new prompts' chunks (a request admitted
+            # meanwhile) run in a forward of their own rather than waste them.
+            self.ahead_adopted += 1
+            self.ahead_beside_prefill += base > 0
+            outputs = self._forward(entries[:base], result) if base else {}
+            outputs |= self._checked(entries[base:], adopted, result, base, launch)
+        else:
+            self.ahead_dropped += ahead is not None
+            outputs = self._forward(entries, result, launch=launch)
         t2 = time.perf_counter()
         result.draft_s, result.forward_s = t1 - t0, t2 - t1
 
@@ -210,7 +254,6 @@ class Stepper:
         ]
         self._snapshot(at, result.images, result)
         done = [(c.seq, outputs[i]) for i, c in enumerate(chunks) if i in outputs and c.completes]
-        base = len(chunks)
         if len(outputs) == len(entries):  # every row ran (outputs are in entry order)
             self._resolve(decoding, states, list(outputs.values())[base:], result)
         else:
@@ -265,10 +308,69 @@ class Stepper:
             except Exception as e:
                 result.failed.append((seq, _describe(e)))
 
+    def _adopted(self, ahead: Ahead, entries: list[tuple[Seq, Row]]) -> list[RowOutput] | None:
+        """The queued step's outputs for `entries` — all plain decode rows — if each is a row
+        it queued (same sequence, slot and start, one token: the one it was fed) and the
+        runner takes them into the pool; else None, and the queued step is dropped."""
+        at = {id(seq): i for i, seq in enumerate(ahead.seqs)}
+        fed = [int(t) for t in np.array(ahead.tokens)]  # (resolved last step: no wait)
+        keep = []
+        for seq, row in entries:
+            i = at.get(id(seq))
+            if (
+                i is None
+                or len(row.tokens) != 1
+                or row.capture
+                or row.want is not None
+                or row.want_hidden
+                or row.taps
+                or row.slot != ahead.pending.slots[i]
+                or row.start != ahead.pending.starts[i]
+                or int(row.tokens[0]) != fed[i]
+            ):
+                return None
+            keep.append(i)
+        try:
+            return self.runner.adopt(ahead.pending, keep).rows
+        except UNCHANGED:
+            return None
+
+    def _launch_ahead(
+        self, seqs: list[Seq], states: list[DecodingSlot], rows: list[RowOutput]
+    ) -> None:
+        """Queue the next decode step on this one's argmax when every row of this step is a
+        plain decode row of a request whose token is the argmax (greedy, unadjusted) and
+        the speculator has nothing to draft with; the rows of requests that end with this
+        step's token, or whose context is full, are left out."""
+        if self.speculator.max_draft or self.speculator.drafters or len(rows) != len(states):
+            return
+        if not all(d.params.argmax_only for d in states):
+            return
+        pool = self.runner.pool
+        go = [
+            i
+            for i, d in enumerate(states)
+            if (d.remaining is None or d.remaining > 1) and pool.lengths[d.slot] < pool.max_context
+        ]
+        if not go:
+            return
+        logits = last_logits([rows[i] for i in go])
+        tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+        try:
+            pending = self.runner.launch([states[i].slot for i in go], tokens)
+        except UNCHANGED:
+            return
+        self._ahead = Ahead([seqs[i] for i in go], tokens, pending)
+
     def _forward(
-        self, entries: list[tuple[Seq, Row]], result: StepResult, offset: int = 0
+        self,
+        entries: list[tuple[Seq, Row]],
+        result: StepResult,
+        offset: int = 0,
+        launch: Callable[[list[RowOutput]], None] | None = None,
     ) -> dict[int, RowOutput]:
-        """Outputs by entry index (+ `offset`); failed entries are added to `result`."""
+        """Outputs by entry index (+ `offset`); failed entries are added to `result`.
+        `launch` sees the rows' outputs before they are checked (decode-ahead)."""
         try:
             poisoned = (
                 None if self.fault_hook is None else self.fault_hook([s.id for s, _ in entries])
@@ -291,6 +393,20 @@ class Stepper:
                 RowOutput(o.logits + nan, o.hidden) if s.id in poisoned else o
                 for (s, _), o in zip(entries, rows, strict=True)
             ]
+        return self._checked(entries, rows, result, offset, launch)
+
+    def _checked(
+        self,
+        entries: list[tuple[Seq, Row]],
+        rows: list[RowOutput],
+        result: StepResult,
+        offset: int,
+        launch: Callable[[list[RowOutput]], None] | None,
+    ) -> dict[int, RowOutput]:
+        """The rows whose logits are finite, by entry index (+ `offset`); the others' requests
+        fail. `launch` first, so the next step computes while the host checks this one."""
+        if launch is not None:
+            launch(rows)
         finite = _finite_rows(rows)
         if all(finite):
             return dict(enumerate(rows, offset))

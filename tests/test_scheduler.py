@@ -38,6 +38,7 @@ from scheduler import (
     Finished,
     FinishReason,
     Policy,
+    PrefixCacheConfig,
     Rejected,
     RejectReason,
     Request,
@@ -211,6 +212,103 @@ async def test_compiled_steps_serve_what_eager_steps_serve(new: Callable[..., Sc
     for request in requests:
         if request.sampling.greedy:
             same_output(results[request.request_id or ""], await alone(new, request))
+
+
+def greedy_requests(n: int, seed: int) -> list[Request]:
+    """Greedy requests only (decode-ahead's ground): some with log-probabilities, stop
+    strings or eos, various lengths."""
+    rng = random.Random(seed)
+    return [
+        Request(
+            prompt=prompt(rng, rng.randrange(3, 40)),
+            sampling=SamplingParams(temperature=0.0, logprobs=2 if i % 4 == 1 else 0),
+            max_tokens=rng.randrange(1, 28),
+            stop=("e",) if i % 5 == 3 else (),
+            ignore_eos=i % 3 == 0,
+            request_id=f"g{i}",
+        )
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+async def test_decode_ahead_serves_what_plain_steps_serve(
+    new: Callable[..., Scheduler], compile: bool
+) -> None:
+    """With `decode_ahead`, a step of greedy decode rows queues the next before the host has
+    its tokens; staggered arrivals, requests ending at every step (length, stop strings,
+    eos), log-probabilities: every request streams what it streams on its own, the queued
+    steps are taken (also when a prompt arrived meanwhile: its chunks run in a forward of
+    their own), and every slot ends free."""
+    requests = greedy_requests(16, seed=21)
+    scheduler = new(
+        n_slots=6, compile=compile, decode_ahead=True, max_batch_tokens=64, max_prefill_chunk=16
+    )
+    results = await staggered(scheduler, requests, 0.01)
+    stepper = scheduler._stepper
+    assert stepper.ahead_adopted > 10 and stepper.ahead_beside_prefill > 0
+    for request in requests:
+        got = results[request.request_id or ""]
+        same_output(got, await alone(new, request))
+        assert [x.token for x in got.logprobs] == (
+            got.token_ids if request.sampling.logprobs else []
+        )
+
+
+async def test_decode_ahead_waits_out_steps_it_cannot_predict(
+    new: Callable[..., Scheduler],
+) -> None:
+    """A sampled or penalized request in the batch, or speculation on: no step is queued
+    ahead (its token is not the argmax, or drafts may come), and outputs are as ever."""
+    requests = mixed_requests(10, seed=4)
+    for speculate in (False, True):
+        scheduler = new(n_slots=5, speculate=speculate, decode_ahead=True)
+        async with scheduler.running():
+            handles = [scheduler.submit(r) for r in requests]
+            got = [completion(await events_of(h)) for h in handles]
+        assert scheduler._stepper.ahead_adopted == scheduler._stepper.ahead_dropped == 0
+        for request, out in zip(requests, got, strict=True):
+            if not speculate or request.sampling.greedy:
+                same_output(out, await alone(new, request))
+
+
+async def test_decode_ahead_keeps_finished_snapshots_and_cancels_exact(
+    new: Callable[..., Scheduler],
+) -> None:
+    """A queued step is never in the pool before it is taken: a finished request's prefix-
+    cache snapshot holds its own tokens only (a follow-up that reuses it streams what it
+    streams uncached), and a request cancelled mid-decode frees its slot while the others
+    go on to their solo outputs."""
+    rng = random.Random(9)
+    first = Request(prompt=prompt(rng, 24), sampling=GREEDY, max_tokens=9, ignore_eos=True)
+    others = [
+        Request(prompt=prompt(rng, 12), sampling=GREEDY, max_tokens=30, ignore_eos=True)
+        for _ in range(3)
+    ]
+    cache = PrefixCacheConfig(budget_bytes=64 << 20, interval=8, min_tokens=4)
+    scheduler = new(n_slots=4, decode_ahead=True, prefix_cache=cache)
+    async with scheduler.running():
+        handles = [scheduler.submit(r) for r in [first, *others]]
+        done = completion(await events_of(handles[0]))
+        follow = Request(
+            prompt=[*first.prompt, *done.token_ids, 5, 6, 7],
+            sampling=GREEDY,
+            max_tokens=8,
+            ignore_eos=True,
+        )
+        again = completion(await events_of(scheduler.submit(follow)))
+        victim = handles[1]
+        async for event in victim:
+            if isinstance(event, Delta) and event.token_ids:
+                victim.cancel()
+                break
+        rest = [completion(await events_of(h)) for h in handles[2:]]
+    assert again.finished.usage.cached_tokens > 0
+    same_output(again, await alone(new, follow))
+    same_output(done, await alone(new, first))
+    for request, got in zip(others[1:], rest, strict=True):
+        same_output(got, await alone(new, request))
+    assert scheduler._stepper.ahead_adopted > 0
 
 
 class CommittedSpeculator(Speculator):
