@@ -61,7 +61,8 @@ def engine_rounds(path: Path, args: argparse.Namespace, vocab: int) -> dict[str,
 async def scheduler_rounds(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     dtype, kv = _dtypes(args)
     context = args.prompt + args.tokens + 8
-    bench = Bench(path, dtype, args.n, context, compiled_steps(args.compile), kv)
+    ahead = args.decode_ahead == "on"
+    bench = Bench(path, dtype, args.n, context, compiled_steps(args.compile), kv, ahead)
     scheduler = bench.scheduler()
     ttft: list[float] = []
     tokens, wall = 0, 0.0
@@ -84,7 +85,7 @@ def daemon_rounds(path: Path, args: argparse.Namespace, tmp: Path) -> dict[str, 
     serve = ["--model", str(path), "--endpoints", endpoint, "--slots", str(args.n)]
     serve += ["--context", str(args.prompt + args.tokens + 8), "--speculation", "off"]
     serve += ["--metrics-address", "", "--blas", args.blas, "--log-level", "warning"]
-    serve += ["--dtype", args.dtype, "--compile", args.compile]
+    serve += ["--dtype", args.dtype, "--compile", args.compile, "--decode-ahead", args.decode_ahead]
 
     def config(requests: int) -> loadgen.LoadConfig:
         return loadgen.LoadConfig(endpoint=endpoint, concurrency=args.n, requests=requests)
@@ -139,7 +140,7 @@ def main() -> None:
     print(
         f"\n{path.name} on {mx.default_device()}, {_dtypes(args)[0]}, compiled steps "
         f"{compiled_steps(args.compile)}, blas {args.blas}, N = {args.n}, {args.prompt}-token prompts, "
-        f"{args.tokens} tokens each, {args.rounds} rounds\n"
+        f"{args.tokens} tokens each, {args.rounds} rounds, decode-ahead {args.decode_ahead}\n"
     )
     header = ["path", "tokens", "tok/s", "/ engine", "TTFT p50 ms", "TTFT p95 ms"]
     print(harness.markdown_table(header, table))
@@ -158,6 +159,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--blas", default=harness.default_blas(), help="bundled | openblas | a path")
     p.add_argument("--dtype", default="auto", help="the daemon's dtype setting, for all three")
     p.add_argument("--compile", default="auto", help="the daemon's compile setting, for all three")
+    p.add_argument(
+        "--decode-ahead",
+        default="off",
+        choices=["off", "on"],
+        help="the daemon's decode_ahead setting, for the scheduler and daemon paths",
+    )
     p.add_argument("--out", type=Path, help="JSON path")
     return p.parse_args()
 

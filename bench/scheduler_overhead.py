@@ -10,6 +10,7 @@
 
     python bench/scheduler_overhead.py [--preset demo | --model FILE.gguf] [--n 32] [--compile]
                                        [--blas openblas] [--ragged] [--ttft-only]
+                                       [--decode-ahead]
 
 Prints a markdown table; writes JSON to out/bench/scheduler_overhead.json.
 """
@@ -59,8 +60,10 @@ class Bench:
         context: int,
         compile: bool,
         kv_dtype: mx.Dtype = mx.float16,
+        decode_ahead: bool = False,
     ) -> None:
         self.model = load_model(path, dtype)
+        self.decode_ahead = decode_ahead
         self.tokenizer = Tokenizer.from_metadata(GGUFFile(path).metadata, str(path))
         self.n_slots, self.context, self.compile = n_slots, context, compile
         self.kv_dtype = kv_dtype
@@ -69,7 +72,9 @@ class Bench:
     def scheduler(self) -> Scheduler:
         pool = SlotPool(self.model.config, self.n_slots, self.context, self.kv_dtype)
         runner = ModelRunner(self.model, pool, compile=self.compile)
-        config = SchedulerConfig(max_batch_tokens=4096, max_prefill_chunk=512)
+        config = SchedulerConfig(
+            max_batch_tokens=4096, max_prefill_chunk=512, decode_ahead=self.decode_ahead
+        )
         return Scheduler(runner, self.tokenizer, config)
 
     def request(self, prompt_len: int, max_tokens: int) -> Request:
@@ -190,6 +195,9 @@ def main() -> None:
         "--ragged", action="store_true", help="TTFT prompts of random lengths (new shapes)"
     )
     p.add_argument("--ttft-only", action="store_true", help="skip the decode-overhead part")
+    p.add_argument(
+        "--decode-ahead", action="store_true", help="SchedulerConfig.decode_ahead (greedy requests)"
+    )
     p.add_argument("--blas", default="bundled", help="bundled | openblas | a CBLAS path")
     p.add_argument("--json", default=str(OUT_DIR / "scheduler_overhead.json"))
     args = p.parse_args()
@@ -198,7 +206,9 @@ def main() -> None:
     path = args.model or harness.bench_model(args.preset, args.quant)
     dtype = getattr(mx, args.dtype)
     context = max(args.prompt + args.tokens, args.prompt * 3 + 16) + 8  # ragged: up to 3x
-    bench = Bench(path, dtype, max(args.n, args.burst), context, args.compile)
+    bench = Bench(
+        path, dtype, max(args.n, args.burst), context, args.compile, decode_ahead=args.decode_ahead
+    )
     over = {} if args.ttft_only else anyio.run(bench.overhead, args.n, args.prompt, args.tokens)
     ttft = anyio.run(bench.ttft, args.rounds, args.burst, args.prompt * 2, 16, args.ragged)
     report = {

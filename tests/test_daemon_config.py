@@ -42,6 +42,7 @@ def test_the_example_config_is_valid_and_says_what_it_means(model: Path) -> None
     assert config.log_file is None and config.pid_file is None and config.memory_budget is None
     assert config.metrics_host_port == ("127.0.0.1", 9464)
     assert (config.prefix_cache, config.prefix_cache_interval) == (1 << 30, 1024)
+    assert config.decode_ahead == "off"
 
 
 def test_sizes_lists_and_empty_strings_parse_from_the_environment(model: Path) -> None:
@@ -195,6 +196,17 @@ def test_dtype_and_compile_settings_reach_the_model_and_runner(model: Path) -> N
     runner = scheduler.runner
     assert runner.compile and runner.pool.kv_dtype == mx.bfloat16
     assert runner.model.dtype == mx.bfloat16
+
+
+def test_decode_ahead_reaches_the_scheduler_and_is_checked(model: Path) -> None:
+    """`decode_ahead`: off by default; "on" reaches the scheduler's step thread; anything
+    else is refused naming the key."""
+    with pytest.raises(ConfigError, match=r"decode_ahead.*expected one of off, on"):
+        load(None, {"SLOTSERVE_DECODE_AHEAD": "yes"}, no_flags(model=str(model)))
+    for value, on in (("off", False), ("on", True)):
+        env = {"SLOTSERVE_DECODE_AHEAD": value, "SLOTSERVE_PREFIX_CACHE": ""}
+        scheduler, _ = build_scheduler(load(None, env, no_flags(model=str(model), slots="1")))
+        assert scheduler._stepper.decode_ahead is on
 
 
 def test_dense_weights_are_dequantized_at_load_and_stored_ones_are_not(

@@ -26,6 +26,7 @@ SPECULATION = ("off", "auto")
 WEIGHTS = ("stored", "dense")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPILE = ("auto", "off", "on")
+DECODE_AHEAD = ("off", "on")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
@@ -61,6 +62,7 @@ class DaemonConfig:
     weights: str = "stored"  # "stored": matrices as the file has them; "dense": dequantized
     dtype: str = "auto"  # compute dtype; "auto": bfloat16 on a GPU, float32 on the CPU
     compile: str = "auto"  # "on": mx.compile each recurring batch shape's step; "auto": on a GPU
+    decode_ahead: str = "off"  # "on": queue the next greedy decode step before reading this one
 
     @property
     def max_draft(self) -> int:
@@ -222,6 +224,11 @@ KEYS = (
         "compile",
         _choice(COMPILE),
         "mx.compile each recurring batch shape's step: auto (on a GPU), off or on",
+    ),
+    Key(
+        "decode_ahead",
+        _choice(DECODE_AHEAD),
+        "queue the next greedy decode step while the host reads this one: off or on",
     ),
 )
 _BY_NAME = {k.name: k for k in KEYS}

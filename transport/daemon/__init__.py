@@ -119,6 +119,7 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
         if config.prefix_cache is None
         else s.PrefixCacheConfig(config.prefix_cache, config.prefix_cache_interval),
         fault_hook=faults.from_environment(os.environ),  # test-only; None unless set
+        decode_ahead=config.decode_ahead == "on",
     )
     runner = ModelRunner(model, pool, compile=compiled_steps(config.compile))
     speculator = None if config.dflash is None else _dflash_speculator(runner, config.dflash)
