@@ -19,6 +19,12 @@ requests fail. Any other exception leaves the state of the forward's slots unkno
 all its requests fail. A row whose logits are not finite (NaN or inf: a numerical
 fault) fails its own request; the slot is reset when it is next allocated. Either
 way the step returns normally and the loop goes on.
+
+Decode-ahead (`SchedulerConfig.decode_ahead`): after a step of plain decode rows whose
+tokens are their argmax, the next step is queued on the device (`ModelRunner.launch`, on
+that argmax, nothing written) before this one is checked and resolved; the next `run`
+takes the queued rows its plan matches exactly (`ModelRunner.adopt`) and drops the rest.
+Faults in taken rows end their requests as in a forward of their own.
 """
 
 from __future__ import annotations
@@ -172,7 +178,7 @@ class Stepper:
         # the device (on this step's argmax, not yet read) while the host resolves this
         # one and the loop plans the next; that plan takes the queued rows it matches
         # exactly, the pool untouched until then (see `_adopted`).
-        self.decode_ahead = decode_ahead and fault_hook is None
+        self.decode_ahead = decode_ahead
         self._ahead: Ahead | None = None
         self.ahead_adopted = 0  # decode-ahead steps taken (in part or whole) / dropped
         self.ahead_dropped = 0
@@ -237,7 +243,7 @@ class Stepper:
             self.ahead_adopted += 1
             self.ahead_beside_prefill += base > 0
             outputs = self._forward(entries[:base], result) if base else {}
-            outputs |= self._checked(entries[base:], adopted, result, base, launch)
+            outputs |= self._taken(entries[base:], adopted, result, base, launch)
         else:
             self.ahead_dropped += ahead is not None
             outputs = self._forward(entries, result, launch=launch)
@@ -335,6 +341,26 @@ class Stepper:
         except UNCHANGED:
             return None
 
+    def _taken(
+        self,
+        entries: list[tuple[Seq, Row]],
+        rows: list[RowOutput],
+        result: StepResult,
+        offset: int,
+        launch: Callable[[list[RowOutput]], None] | None,
+    ) -> dict[int, RowOutput]:
+        """`_checked` for rows taken from the queued step, the fault hook heard as for a
+        forward (test-only): what it raises fails these rows' requests (their state was
+        written), the rows it names get NaN logits."""
+        try:
+            poisoned = (
+                None if self.fault_hook is None else self.fault_hook([s.id for s, _ in entries])
+            )
+        except Exception as e:
+            result.failed += [(s, _describe(e)) for s, _ in entries]
+            return {}
+        return self._checked(entries, _poison(entries, rows, poisoned), result, offset, launch)
+
     def _launch_ahead(
         self, seqs: list[Seq], states: list[DecodingSlot], rows: list[RowOutput]
     ) -> None:
@@ -386,14 +412,7 @@ class Stepper:
         except Exception as e:
             result.failed += [(s, _describe(e)) for s, _ in entries]
             return {}
-        rows = out.rows
-        if poisoned:
-            nan = mx.array(float("nan"))
-            rows = [
-                RowOutput(o.logits + nan, o.hidden) if s.id in poisoned else o
-                for (s, _), o in zip(entries, rows, strict=True)
-            ]
-        return self._checked(entries, rows, result, offset, launch)
+        return self._checked(entries, _poison(entries, out.rows, poisoned), result, offset, launch)
 
     def _checked(
         self,
@@ -467,6 +486,19 @@ class Stepper:
         """Leave nothing lazy: the pool (captures included) and the drafters' state may be
         evaluated on another thread next step. The weights were evaluated once."""
         materialize(self.speculator, skip=self.runner.model)
+
+
+def _poison(
+    entries: list[tuple[Seq, Row]], rows: list[RowOutput], poisoned: Collection[str] | None
+) -> list[RowOutput]:
+    """The rows, with NaN logits for the requests the fault hook named (test-only)."""
+    if not poisoned:
+        return rows
+    nan = mx.array(float("nan"))
+    return [
+        RowOutput(o.logits + nan, o.hidden) if s.id in poisoned else o
+        for (s, _), o in zip(entries, rows, strict=True)
+    ]
 
 
 def _logprobs(logits: list[mx.array], tokens: list[int], seq: Seq) -> list[TokenLogprob]:

@@ -741,6 +741,46 @@ async def test_nan_logits_in_one_row_end_only_that_request_and_its_slot_serves_a
         same_output(again, solo)
 
 
+async def test_faults_in_steps_taken_from_decode_ahead_end_only_their_requests(
+    new: Callable[..., Scheduler],
+) -> None:
+    """Decode-ahead on, all greedy: NaN logits in one row of a step taken from the queue
+    fail that request alone; a fault raised on a later taken step fails that step's
+    requests; every other request matches its solo run, and the slots serve correctly
+    after."""
+    seen: dict[str, int] = {}
+
+    def hook(ids: list[str]) -> list[str]:
+        seen.update({i: seen.get(i, 0) + 1 for i in ids})
+        if seen.get("boom", 0) == 6 and "boom" in ids:
+            raise RuntimeError("device fault (injected)")
+        return [i for i in ids if i == "nan" and seen[i] == 5]
+
+    rng = random.Random(12)
+    good = [
+        Request(prompt=prompt(rng, 7), sampling=GREEDY, max_tokens=20, ignore_eos=True)
+        for _ in range(2)
+    ]
+    nan = Request(prompt=prompt(rng, 7), sampling=GREEDY, max_tokens=20, request_id="nan")
+    scheduler = new(n_slots=3, decode_ahead=True, fault_hook=hook)
+    async with scheduler.running():
+        handles = [scheduler.submit(r) for r in [*good, nan]]
+        results = [await h.collect() for h in handles]
+        adopted = scheduler._stepper.ahead_adopted
+        boom = Request(prompt=prompt(rng, 5), sampling=GREEDY, max_tokens=20, request_id="boom")
+        exploded = await scheduler.submit(boom).collect()
+        reused = [await scheduler.submit(r).collect() for r in good]
+    assert adopted > 0
+    assert results[2].finished.reason == FinishReason.ERROR
+    assert "non-finite logits" in (results[2].finished.error or "")
+    assert exploded.finished.reason == FinishReason.ERROR
+    assert "injected" in (exploded.finished.error or "")
+    for request, result, again in zip(good, results[:2], reused, strict=True):
+        solo = await alone(new, request)
+        same_output(result, solo)
+        same_output(again, solo)
+
+
 async def test_shutdown_gives_every_request_exactly_one_terminal_outcome(
     new: Callable[..., Scheduler],
 ) -> None:
