@@ -243,7 +243,7 @@ class Stepper:
             self.ahead_adopted += 1
             self.ahead_beside_prefill += base > 0
             outputs = self._forward(entries[:base], result) if base else {}
-            outputs |= self._taken(entries[base:], adopted, result, base, launch)
+            outputs |= self._checked(entries[base:], adopted, result, base, launch, taken=True)
         else:
             self.ahead_dropped += ahead is not None
             outputs = self._forward(entries, result, launch=launch)
@@ -341,26 +341,6 @@ class Stepper:
         except UNCHANGED:
             return None
 
-    def _taken(
-        self,
-        entries: list[tuple[Seq, Row]],
-        rows: list[RowOutput],
-        result: StepResult,
-        offset: int,
-        launch: Callable[[list[RowOutput]], None] | None,
-    ) -> dict[int, RowOutput]:
-        """`_checked` for rows taken from the queued step, the fault hook heard as for a
-        forward (test-only): what it raises fails these rows' requests (their state was
-        written), the rows it names get NaN logits."""
-        try:
-            poisoned = (
-                None if self.fault_hook is None else self.fault_hook([s.id for s, _ in entries])
-            )
-        except Exception as e:
-            result.failed += [(s, _describe(e)) for s, _ in entries]
-            return {}
-        return self._checked(entries, _poison(entries, rows, poisoned), result, offset, launch)
-
     def _launch_ahead(
         self, seqs: list[Seq], states: list[DecodingSlot], rows: list[RowOutput]
     ) -> None:
@@ -421,9 +401,19 @@ class Stepper:
         result: StepResult,
         offset: int,
         launch: Callable[[list[RowOutput]], None] | None,
+        taken: bool = False,
     ) -> dict[int, RowOutput]:
         """The rows whose logits are finite, by entry index (+ `offset`); the others' requests
-        fail. `launch` first, so the next step computes while the host checks this one."""
+        fail. `launch` first, so the next step computes while the host checks this one.
+        `taken`: rows taken from the queued step, for which the fault hook (test-only) is
+        heard here as `_forward` hears it for a forward: what it raises fails these rows'
+        requests (their state was written), the rows it names get NaN logits."""
+        if taken and self.fault_hook is not None:
+            try:
+                rows = _poison(entries, rows, self.fault_hook([s.id for s, _ in entries]))
+            except Exception as e:
+                result.failed += [(s, _describe(e)) for s, _ in entries]
+                return {}
         if launch is not None:
             launch(rows)
         finite = _finite_rows(rows)
