@@ -100,11 +100,22 @@ class RequestRng:
     def __init__(self, seed: int | None) -> None:
         self.seed = secrets.randbits(63) if seed is None else seed
         self._gen: np.random.Generator | None = None
+        self._next: float | None = None  # drawn by `peek`, not yet taken
 
     def uniform(self, n: int = 1) -> np.ndarray:
         if self._gen is None:
             self._gen = np.random.default_rng(self.seed)
-        return self._gen.random(n)
+        if self._next is None or n == 0:
+            return self._gen.random(n)
+        first, self._next = self._next, None
+        return np.concatenate([[first], self._gen.random(n - 1)])
+
+    def peek(self) -> float:
+        """The uniform the next `uniform` call starts with, left in the stream (the
+        scheduler's decode-ahead draws a token before the step that commits it)."""
+        if self._next is None:
+            self._next = float(self.uniform(1)[0])
+        return self._next
 
 
 def adjust_logits(
@@ -235,6 +246,24 @@ def sample(
     tokens = np.array(greedy).astype(np.int64)
     tokens[sampled] = np.array(drawn)
     return tokens
+
+
+def device_tokens(
+    logits: mx.array, params: Sequence[SamplingParams], uniforms: Sequence[float]
+) -> mx.array:
+    """`sample`'s tokens as a device array, with each sampled row's uniform given (in row
+    order, one per sampled row) instead of drawn: greedy rows their argmax, sampled ones
+    `draw(distribution(...), u)`."""
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
+    if not sampled:
+        return greedy
+    u = np.array(uniforms, dtype=np.float32)
+    if len(sampled) == len(params):
+        return draw(distribution(logits, params), u)
+    rows = mx.array(sampled, dtype=mx.int32)
+    greedy[rows] = draw(distribution(logits[rows], [params[i] for i in sampled]), u)
+    return greedy
 
 
 def on_host() -> bool:

@@ -12,6 +12,7 @@ from engine.sampling import (
     SamplingError,
     SamplingParams,
     adjust_logits,
+    device_tokens,
     distribution,
     draw,
     sample,
@@ -121,6 +122,28 @@ def test_sample_gives_the_tokens_of_distribution_and_draw(params: list[SamplingP
     assert got.tolist() == want.tolist()
     argmax = np.array(mx.argmax(x, axis=-1))
     assert all(got[i] == argmax[i] for i, p in enumerate(params) if p.greedy)
+
+
+def test_a_peeked_uniform_stays_first_in_the_stream() -> None:
+    """`peek` leaves the stream as it was: the draws after it are those without it, in any
+    sizes (a verify round takes several at once)."""
+    plain, peeking = RequestRng(11), RequestRng(11)
+    first = peeking.peek()
+    assert peeking.peek() == first  # (peeking twice takes nothing)
+    got = np.concatenate([peeking.uniform(0), peeking.uniform(3), peeking.uniform(1)])
+    assert got[0] == first and np.array_equal(got, plain.uniform(4))
+    assert peeking.uniform(2).tolist() == plain.uniform(2).tolist()
+
+
+@pytest.mark.parametrize("params", [MIXED * 2, [SamplingParams(temperature=0.0)] * 3, MIXED[3:]])
+def test_device_tokens_are_the_tokens_sample_draws(params: list[SamplingParams]) -> None:
+    """Given each sampled row's next uniform (peeked), `device_tokens` gives on the device
+    the tokens `sample` then draws from the same generators."""
+    x = logits(len(params), seed=21)
+    rngs = [RequestRng(50 + i) for i in range(len(params))]
+    uniforms = [rngs[i].peek() for i, p in enumerate(params) if not p.greedy]
+    ahead = device_tokens(x, params, uniforms)
+    assert np.array(ahead).tolist() == sample(x, params, rngs).tolist()
 
 
 def test_a_sampled_row_draws_the_same_token_whatever_shares_its_batch() -> None:
