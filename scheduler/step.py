@@ -20,9 +20,11 @@ all its requests fail. A row whose logits are not finite (NaN or inf: a numerica
 fault) fails its own request; the slot is reset when it is next allocated. Either
 way the step returns normally and the loop goes on.
 
-Decode-ahead (`SchedulerConfig.decode_ahead`): after a step of plain decode rows whose
-tokens are their argmax, the next step is queued on the device (`ModelRunner.launch`, on
-that argmax, nothing written) before this one is checked and resolved; the next `run`
+Decode-ahead (`SchedulerConfig.decode_ahead`): after a step of plain decode rows of
+requests without penalties or bias, the next step is queued on the device
+(`ModelRunner.launch`, on this step's tokens drawn there as the resolve will draw them:
+argmax, or the request's next uniform, peeked; nothing written) before this one is checked
+and resolved; the next `run`
 takes the queued rows its plan matches exactly (`ModelRunner.adopt`) and drops the rest.
 Faults in taken rows end their requests as in a forward of their own.
 """
@@ -41,7 +43,7 @@ import numpy as np
 
 from engine.cache import PoolError, SlotId
 from engine.runner import BatchError, ModelRunner, PendingStep, Row, RowOutput, last_logits
-from engine.sampling import on_host, top_logprobs
+from engine.sampling import device_tokens, on_host, top_logprobs
 from engine.spec.controller import CostController
 from engine.spec.speculator import (
     Committed,
@@ -174,9 +176,9 @@ class Stepper:
         self.runner = runner
         self.speculator = speculator
         self.fault_hook = fault_hook
-        # Decode-ahead: after a step of plain greedy decode rows, the next one is queued on
-        # the device (on this step's argmax, not yet read) while the host resolves this
-        # one and the loop plans the next; that plan takes the queued rows it matches
+        # Decode-ahead: after a step of plain decode rows, the next one is queued on the
+        # device (on this step's tokens, drawn there, not yet read) while the host resolves
+        # this one and the loop plans the next; that plan takes the queued rows it matches
         # exactly, the pool untouched until then (see `_adopted`).
         self.decode_ahead = decode_ahead
         self._ahead: Ahead | None = None
@@ -344,13 +346,14 @@ class Stepper:
     def _launch_ahead(
         self, seqs: list[Seq], states: list[DecodingSlot], rows: list[RowOutput]
     ) -> None:
-        """Queue the next decode step on this one's argmax when every row of this step is a
-        plain decode row of a request whose token is the argmax (greedy, unadjusted) and
-        the speculator has nothing to draft with; the rows of requests that end with this
+        """Queue the next decode step on this step's tokens, drawn on the device as the
+        resolve will draw them (argmax, or each sampled row's next uniform, peeked), when
+        every row is a plain decode row of a request without penalties or bias and the
+        speculator has nothing to draft with; the rows of requests that end with this
         step's token, or whose context is full, are left out."""
         if self.speculator.max_draft or self.speculator.drafters or len(rows) != len(states):
             return
-        if not all(d.params.argmax_only for d in states):
+        if not all(d.params.unadjusted for d in states):
             return
         pool = self.runner.pool
         go = [
@@ -360,8 +363,9 @@ class Stepper:
         ]
         if not go:
             return
-        logits = last_logits([rows[i] for i in go])
-        tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+        params = [states[i].params for i in go]
+        uniforms = [states[i].rng.peek() for i, p in zip(go, params, strict=True) if not p.greedy]
+        tokens = device_tokens(last_logits([rows[i] for i in go]), params, uniforms)
         try:
             pending = self.runner.launch([states[i].slot for i in go], tokens)
         except UNCHANGED:

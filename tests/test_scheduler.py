@@ -255,21 +255,59 @@ async def test_decode_ahead_serves_what_plain_steps_serve(
         )
 
 
+async def test_decode_ahead_draws_sampled_tokens_as_the_host_does(
+    new: Callable[..., Scheduler],
+) -> None:
+    """Seeded sampled requests (temperature, top-k, top-p, min-p) beside greedy ones: the
+    queued step draws each token on the device from the request's next uniform (peeked,
+    left in its stream), so the steps are taken and every request streams what it streams
+    on its own."""
+    rng = random.Random(31)
+    kinds = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3),
+        SamplingParams(temperature=1.2, top_k=20, min_p=0.05, seed=4),
+        GREEDY,
+        SamplingParams(temperature=0.6, seed=5, logprobs=2),
+    ]
+    requests = [
+        Request(
+            prompt=prompt(rng, rng.randrange(4, 30)),
+            sampling=kinds[i % len(kinds)],
+            max_tokens=rng.randrange(6, 26),
+            ignore_eos=True,
+            request_id=f"s{i}",
+        )
+        for i in range(8)
+    ]
+    scheduler = new(n_slots=4, decode_ahead=True, max_prefill_chunk=16)
+    results = await staggered(scheduler, requests, 0.005)
+    assert scheduler._stepper.ahead_adopted > 10
+    for request in requests:
+        same_output(results[request.request_id or ""], await alone(new, request))
+
+
 async def test_decode_ahead_waits_out_steps_it_cannot_predict(
     new: Callable[..., Scheduler],
 ) -> None:
-    """A sampled or penalized request in the batch, or speculation on: no step is queued
-    ahead (its token is not the argmax, or drafts may come), and outputs are as ever."""
-    requests = mixed_requests(10, seed=4)
-    for speculate in (False, True):
-        scheduler = new(n_slots=5, speculate=speculate, decode_ahead=True)
+    """Requests with penalties or a logit bias (their tokens depend on the host's view of
+    the history), or speculation on: no step is queued ahead, and outputs are as ever."""
+    rng = random.Random(4)
+    adjusted = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, logit_bias=((7, 5.0),), logprobs=3),
+    ]
+    requests = [
+        Request(prompt=prompt(rng, 10), sampling=adjusted[i % 2], max_tokens=12, ignore_eos=True)
+        for i in range(4)
+    ]
+    for speculate, batch in ((False, requests), (True, greedy_requests(4, seed=6))):
+        scheduler = new(n_slots=4, speculate=speculate, decode_ahead=True)
         async with scheduler.running():
-            handles = [scheduler.submit(r) for r in requests]
+            handles = [scheduler.submit(r) for r in batch]
             got = [completion(await events_of(h)) for h in handles]
         assert scheduler._stepper.ahead_adopted == scheduler._stepper.ahead_dropped == 0
-        for request, out in zip(requests, got, strict=True):
-            if not speculate or request.sampling.greedy:
-                same_output(out, await alone(new, request))
+        for request, out in zip(batch, got, strict=True):
+            same_output(out, await alone(new, request))
 
 
 async def test_decode_ahead_keeps_finished_snapshots_and_cancels_exact(

@@ -62,7 +62,7 @@ class DaemonConfig:
     weights: str = "stored"  # "stored": matrices as the file has them; "dense": dequantized
     dtype: str = "auto"  # compute dtype; "auto": bfloat16 on a GPU, float32 on the CPU
     compile: str = "auto"  # "on": mx.compile each recurring batch shape's step; "auto": on a GPU
-    decode_ahead: str = "off"  # "on": queue the next greedy decode step before reading this one
+    decode_ahead: str = "off"  # "on": queue the next decode step before reading this one
 
     @property
     def max_draft(self) -> int:
@@ -228,7 +228,7 @@ KEYS = (
     Key(
         "decode_ahead",
         _choice(DECODE_AHEAD),
-        "queue the next greedy decode step while the host reads this one: off or on",
+        "queue the next decode step while the host reads this one: off or on",
     ),
 )
 _BY_NAME = {k.name: k for k in KEYS}
