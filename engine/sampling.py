@@ -230,30 +230,20 @@ def sample(
 ) -> np.ndarray:
     """One token per row of (adjusted) logits `[N, V]`: exactly the tokens of
     `draw(distribution(logits, params), u)`, each sampled row's u from its request's
-    generator, but batched by kind — greedy rows with one argmax, the sampled rows with
-    one `distribution` and `draw` over just them. Greedy rows draw no uniform: their
-    token does not depend on it."""
+    generator (`device_tokens`, read back). Greedy rows draw no uniform: their token does
+    not depend on it."""
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled:
         return greedy_tokens(logits)
-    uniforms = np.array([rngs[i].uniform(1)[0] for i in sampled])
-    if len(sampled) == len(params):
-        return np.array(draw(distribution(logits, params), uniforms))
-    rows = mx.array(sampled, dtype=mx.int32)
-    drawn = draw(distribution(logits[rows], [params[i] for i in sampled]), uniforms)
-    greedy = mx.argmax(logits, axis=-1)
-    mx.eval(greedy, drawn)
-    tokens = np.array(greedy).astype(np.int64)
-    tokens[sampled] = np.array(drawn)
-    return tokens
+    return np.array(device_tokens(logits, params, [rngs[i].uniform(1)[0] for i in sampled]))
 
 
 def device_tokens(
     logits: mx.array, params: Sequence[SamplingParams], uniforms: Sequence[float]
 ) -> mx.array:
-    """`sample`'s tokens as a device array, with each sampled row's uniform given (in row
-    order, one per sampled row) instead of drawn: greedy rows their argmax, sampled ones
-    `draw(distribution(...), u)`."""
+    """`sample`'s tokens as a device array, each sampled row's uniform given (in row order,
+    one per sampled row), batched by kind: greedy rows by one argmax, the sampled rows by
+    one `distribution` and `draw` over just them."""
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
     if not sampled:
