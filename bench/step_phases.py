@@ -11,7 +11,7 @@ For each N: N rows are prefilled, then `--steps` greedy decode steps run through
 
 Then the same steps once more with the host's work for step t+1 overlapped with the
 device's work for step t: step t+1's tokens are step t's argmax still on the device
-(`ModelRunner.step(..., tokens=, wait=False)`), and the host reads step t's tokens only after
+(`ModelRunner.launch` and `adopt`), and the host reads step t's tokens only after
 queueing step t+1. The scheduler does not decode like this yet (it needs each step's tokens
 on the host before it plans the next): the column says what it would gain. (Session 6's
 readings of that column came from a first version of this loop that drove the runner's
@@ -46,7 +46,7 @@ from engine.cache import SlotPool
 from engine.gguf import GGUFFile
 from engine.models.batch import Layout
 from engine.models.qwen35 import Model
-from engine.runner import ModelRunner, Row
+from engine.runner import ModelRunner, Row, shape_key
 
 PHASES = ("prepare", "graph", "eval", "write", "sample")
 
@@ -78,22 +78,16 @@ class Timed:
         self.runner.pool.write = self._write  # type: ignore[method-assign]
 
 
-def decode_key(layout: Layout, n: int, past: int) -> tuple[object, ...]:
-    """The runner's batch-shape key of N plain decode rows (as `ModelRunner.step` makes it)."""
-    return (layout.rows, layout.width, layout.uniform, layout.capture, n, past, n, ())
-
-
 def overlapped(runner: ModelRunner, slots: list[int], tokens: list[int], steps: int) -> float:
     """Median seconds of a decode step whose host work overlaps the previous step's device
-    work: `ModelRunner.step(rows, tokens=<step t's argmax on the device>, wait=False)`, the
+    work: `ModelRunner.launch(slots, <step t's argmax on the device>)`, adopted whole, the
     host reading step t's tokens after queueing step t+1 (as `step_roofline.py --overlap`)."""
-    pool = runner.pool
     tok = mx.array(tokens, dtype=mx.int32)
     prev: mx.array | None = None
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        out = runner.step([Row(s, [0], pool.lengths[s]) for s in slots], tokens=tok, wait=False)
+        out = runner.adopt(runner.launch(slots, tok), range(len(slots)))
         nxt = mx.argmax(mx.concatenate([r.logits for r in out.rows]), axis=-1)
         mx.async_eval(nxt)
         if prev is not None:
@@ -109,7 +103,7 @@ def graph_nodes(runner: ModelRunner, slots: list[int], dot: Path) -> collections
     starts = [pool.lengths[s] for s in slots]
     layout = Layout.build([1] * n, starts, [False] * n)
     past = runner.past_for(max(starts))
-    fn = runner._forward_fn(decode_key(layout, n, past), layout, ())
+    fn = runner._forward_fn(shape_key(layout, n, past, ()), layout, ())
     tokens = mx.zeros((n,), dtype=mx.int32)
     logits, hidden, new, captures, taps = fn(
         [tokens, mx.arange(n, dtype=mx.int32), *layout.arrays()], pool.read(slots, past)

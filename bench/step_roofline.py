@@ -90,8 +90,7 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
         for i in range(args.gen + args.warmup):
             t0 = time.perf_counter()
             if args.overlap:  # step t+1 queued on step t's argmax before the host reads it
-                rows = [Row(s, [0], pool.lengths[s]) for s in slots]
-                out = runner.step(rows, tokens=tok, wait=False)
+                out = runner.adopt(runner.launch(slots, tok), range(n))
                 nxt = mx.argmax(mx.concatenate([r.logits for r in out.rows]), axis=-1)
                 mx.async_eval(nxt)
                 if prev is not None:
@@ -134,8 +133,8 @@ def main() -> None:
     p.add_argument(
         "--overlap",
         action="store_true",
-        help="queue each step on the previous one's argmax (ModelRunner.step tokens=, "
-        "wait=False) and read a step's tokens only after queueing the next",
+        help="queue each step on the previous one's argmax (ModelRunner.launch, adopt) and "
+        "read a step's tokens only after queueing the next",
     )
     p.add_argument("--bandwidth-tbs", type=float, default=4.3, help="device memory bandwidth, TB/s")
     p.add_argument("--json", help="write the results here")

@@ -179,30 +179,11 @@ class ModelRunner:
         # nothing of a steady step. (0 in an eager runner: every step is alike.)
         self.cold_steps = 0
 
-    def step(
-        self, batch: Sequence[Row], tokens: mx.array | None = None, wait: bool = True
-    ) -> StepOutput:
-        """Run the batch; its state goes into the pool, its outputs come back.
-
-        `tokens`: the batch's tokens packed row after row, as a device array (say, the
-        previous step's argmax, still on the device) in place of the rows' own: each row's
-        `tokens` then only says how many it has. Their values are the caller's word: an
-        argmax over this model's logits is always in its vocabulary.
-
-        `wait=False` queues the forward and the pool's update without waiting for either:
-        the host can build the next step (on this step's tokens, still on the device) while
-        the device computes this one. A batch that is malformed still raises before anything
-        changes, as with `wait`; a fault on the device shows at the next evaluation and
-        leaves the rows' slots undefined — for steady decode steps, whose shapes have run
-        before. (`bench/step_roofline.py --overlap` decodes this way.)"""
+    def step(self, batch: Sequence[Row]) -> StepOutput:
+        """Run the batch; its state goes into the pool, its outputs come back. (A decode
+        step on tokens still on the device, queued without waiting: `launch`, `adopt`.)"""
         t0 = time.perf_counter()
-        slots = self._validate(
-            [r.slot for r in batch], [r.tokens for r in batch] if tokens is None else None
-        )
-        if tokens is not None:
-            lengths = [len(r.tokens) for r in batch]
-            if 0 in lengths or tokens.shape != (sum(lengths),):
-                raise BatchError(f"tokens of shape {tokens.shape} for rows of {lengths} tokens")
+        slots = self._validate([r.slot for r in batch], [r.tokens for r in batch])
         for r in batch:
             bad = [i for i in r.wanted if not 0 <= i < len(r.tokens)]
             if bad:
@@ -220,31 +201,18 @@ class ModelRunner:
         offsets = itertools.accumulate(lengths, initial=0)
         picked = [o + i for o, r in zip(offsets, batch, strict=False) for i in r.wanted]
         inputs = [
-            _token_array(batch) if tokens is None else tokens.astype(mx.int32),
+            _token_array(batch),
             mx.array(picked, dtype=mx.int32),
             *layout.arrays(),
         ]
-        key = (
-            layout.rows,
-            layout.width,
-            layout.uniform,
-            layout.capture,
-            len(picked),
-            past,
-            int(tok_slot.shape[0]),
-            taps,
-        )
-        fn = self._forward_fn(key, layout, taps)
+        fn = self._forward_fn(shape_key(layout, len(picked), past, taps), layout, taps)
         # The pool is read and written outside the compiled graph: eager scatters update
         # it in place, while a compiled graph would copy every state array each step.
         logits, hidden, new, captures, tapped_list = fn(inputs, self.pool.read(slots, past))
         self.last_host_s = time.perf_counter() - t0  # building inputs and the graph
-        if wait:
-            # Compute everything before touching the pool: a step that fails here (bad
-            # input, device fault) leaves every slot exactly as it was.
-            mx.eval(logits, hidden, new, captures, tapped_list)
-        else:
-            mx.async_eval(logits, hidden, new, captures, tapped_list)
+        # Compute everything before touching the pool: a step that fails here (bad
+        # input, device fault) leaves every slot exactly as it was.
+        mx.eval(logits, hidden, new, captures, tapped_list)
         tapped = tapped_list[0] if tapped_list else None
         self.pool.write(slots, tok_slot, tok_pos, new)
         # Queued, not waited for: whatever reads the pool next runs after it on the stream,
@@ -274,6 +242,7 @@ class ModelRunner:
         at each slot's length — without touching the pool: `adopt` writes it, for all or
         some of its rows, once the caller knows it wants them; dropped, it changed nothing.
         A step planned on tokens the host has not read yet (the scheduler's decode-ahead)."""
+        t0 = time.perf_counter()
         slots = self._validate(list(slots))
         starts = [self.pool.lengths[s] for s in slots]
         n = len(slots)
@@ -282,10 +251,10 @@ class ModelRunner:
         self.pool.check_rows(slots, starts, [1] * n, [False] * n)
         layout = Layout.build([1] * n, starts, [False] * n)
         past = self.past_for(max(starts))
-        key = (layout.rows, layout.width, layout.uniform, layout.capture, n, past, n, ())
-        fn = self._forward_fn(key, layout, ())
+        fn = self._forward_fn(shape_key(layout, n, past, ()), layout, ())
         inputs = [tokens.astype(mx.int32), mx.arange(n, dtype=mx.int32), *layout.arrays()]
         logits, _, new, _, _ = fn(inputs, self.pool.read(slots, past))
+        self.last_host_s, self.last_tokens = time.perf_counter() - t0, n
         mx.async_eval(logits, new)
         return PendingStep(slots, starts, logits, new)
 
@@ -556,6 +525,13 @@ def last_logits(outputs: Sequence[RowOutput]) -> mx.array:
         else:
             return packed[at : at + len(outputs)]
     return mx.concatenate([o.logits[-1:] for o in outputs])
+
+
+def shape_key(layout: Layout, outputs: int, past: int, taps: tuple[int, ...]) -> tuple[object, ...]:
+    """What a trunk forward is compiled for: the batch's layout (rows, longest row, tokens,
+    capture rows), the positions it returns, the past it reads, the layers it taps."""
+    tokens = int(layout.pack_index.shape[0])
+    return (layout.rows, layout.width, layout.uniform, layout.capture, outputs, past, tokens, taps)
 
 
 def _written(past: AttentionState, new: AttentionState, at: mx.array) -> AttentionState:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_pool import snapshots_equal
 
-from engine.cache import SlotPool
+from engine.cache import PoolError, SlotPool
 from engine.models.qwen35 import Model, load_model
 from engine.runner import BatchError, DraftRow, ModelRunner, Row, StepOutput
 
@@ -141,10 +141,11 @@ def test_a_batch_shape_is_compiled_when_it_comes_back(model: Model) -> None:
 def test_decoding_on_device_tokens_without_waiting_equals_the_plain_loop(
     model: Model, compile: bool
 ) -> None:
-    """Each step fed the previous step's argmax as a device array, queued without waiting
-    (`tokens=`, `wait=False`), the host reading a step's tokens only after queueing the next
-    — the loop `step_roofline.py --overlap` runs: the same tokens, logits and slot state as
-    feeding host tokens and waiting, for rows of different lengths."""
+    """Each step launched on the previous step's argmax as a device array and adopted whole
+    at once (`launch`, `adopt`: queued, not waited for), the host reading a step's tokens
+    only after queueing the next — the loop `step_roofline.py --overlap` runs: the same
+    tokens, logits and slot state as feeding host tokens and waiting, for rows of different
+    lengths."""
     prompts = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7]]
     runs = []
     for overlap in (False, True):
@@ -158,8 +159,7 @@ def test_decoding_on_device_tokens_without_waiting_equals_the_plain_loop(
         if overlap:
             tok = mx.argmax(logits, axis=-1)
             for _ in range(6):
-                rows = [Row(s, [0], pool.lengths[s]) for s in slots]
-                out = runner.step(rows, tokens=tok, wait=False)
+                out = runner.adopt(runner.launch(slots, tok), range(len(slots)))
                 logits = mx.concatenate([r.logits for r in out.rows])
                 nxt = mx.argmax(logits, axis=-1)
                 mx.async_eval(nxt)
@@ -185,18 +185,20 @@ def test_decoding_on_device_tokens_without_waiting_equals_the_plain_loop(
     assert all(snapshots_equal(a, b, atol=1e-5) for a, b in zip(snaps_a, snaps_b, strict=True))
 
 
-def test_device_tokens_of_the_wrong_shape_are_refused_and_change_nothing(model: Model) -> None:
-    pool = SlotPool(model.config, 2, 32, mx.float32)
+def test_a_launch_that_cannot_run_is_refused_and_changes_nothing(model: Model) -> None:
+    """Tokens of the wrong shape, a slot twice, a full context: `BatchError` / `PoolError`
+    before anything is queued, every slot as it was."""
+    pool = SlotPool(model.config, 2, 4, mx.float32)
     runner = ModelRunner(model, pool)
     a, b = pool.allocate(), pool.allocate()
-    runner.step([Row(a, [1, 2], 0), Row(b, [3], 0)])
+    runner.step([Row(a, [1, 2, 3, 4], 0), Row(b, [3], 0)])  # slot a's context is full
     before = [pool.snapshot(s) for s in (a, b)]
-    for tokens, rows in [
-        (mx.array([5, 6, 7]), [Row(a, [0], 2), Row(b, [0], 1)]),  # 3 tokens for 2
-        (mx.array([5]), [Row(a, [], 2), Row(b, [0], 1)]),  # an empty row
-    ]:
-        with pytest.raises(BatchError, match="tokens of shape"):
-            runner.step(rows, tokens=tokens, wait=False)
+    with pytest.raises(BatchError, match="tokens of shape"):
+        runner.launch([b], mx.array([5, 6]))
+    with pytest.raises(BatchError, match="more than once"):
+        runner.launch([b, b], mx.array([5, 6]))
+    with pytest.raises(PoolError):
+        runner.launch([a, b], mx.array([5, 6]))
     assert all(snapshots_equal(x, pool.snapshot(s)) for x, s in zip(before, (a, b), strict=True))
 
 
