@@ -196,7 +196,9 @@ def main() -> None:
     )
     p.add_argument("--ttft-only", action="store_true", help="skip the decode-overhead part")
     p.add_argument(
-        "--decode-ahead", action="store_true", help="SchedulerConfig.decode_ahead (greedy requests)"
+        "--decode-ahead",
+        action="store_true",
+        help="SchedulerConfig.decode_ahead (its requests are greedy)",
     )
     p.add_argument("--blas", default="bundled", help="bundled | openblas | a CBLAS path")
     p.add_argument("--json", default=str(OUT_DIR / "scheduler_overhead.json"))

@@ -127,7 +127,7 @@ def prefill_chunks(prefilling: Sequence[Seq], budget: int, max_chunk: int) -> li
 @dataclass
 class Ahead:
     """The decode step queued past the last one (decode-ahead), not in the pool: `seqs`'
-    rows in order, fed `tokens` (the last step's argmax, on the device)."""
+    rows in order, fed `tokens` (the last step's, drawn on the device)."""
 
     seqs: list[Seq]
     tokens: mx.array

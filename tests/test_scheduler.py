@@ -313,12 +313,15 @@ async def test_decode_ahead_waits_out_steps_it_cannot_predict(
 async def test_decode_ahead_keeps_finished_snapshots_and_cancels_exact(
     new: Callable[..., Scheduler],
 ) -> None:
-    """A queued step is never in the pool before it is taken: a finished request's prefix-
-    cache snapshot holds its own tokens only (a follow-up that reuses it streams what it
-    streams uncached), and a request cancelled mid-decode frees its slot while the others
-    go on to their solo outputs."""
+    """A request that ends on a stop token (unforeseeable, so its row was queued for the next
+    step) leaves a prefix-cache snapshot of its own tokens only — taken before the next plan
+    takes the queued rows; a follow-up reusing all of it streams what it streams uncached —
+    and a request cancelled mid-decode frees its slot while the others go on to their solo
+    outputs. (That a dropped row is never written: the runner's launch/adopt test.)"""
     rng = random.Random(9)
-    first = Request(prompt=prompt(rng, 24), sampling=GREEDY, max_tokens=9, ignore_eos=True)
+    base = Request(prompt=prompt(rng, 24), sampling=GREEDY, max_tokens=20, ignore_eos=True)
+    stop = (await alone(new, base)).token_ids[6]
+    first = dataclasses.replace(base, stop_token_ids=(stop,))
     others = [
         Request(prompt=prompt(rng, 12), sampling=GREEDY, max_tokens=30, ignore_eos=True)
         for _ in range(3)
@@ -341,7 +344,9 @@ async def test_decode_ahead_keeps_finished_snapshots_and_cancels_exact(
                 victim.cancel()
                 break
         rest = [completion(await events_of(h)) for h in handles[2:]]
-    assert again.finished.usage.cached_tokens > 0
+    assert done.finished.reason == FinishReason.STOP and len(done.token_ids) < 20
+    # the whole of it was cached: prompt and output, but the stop token it never fed
+    assert again.finished.usage.cached_tokens == len(first.prompt) + len(done.token_ids) - 1
     same_output(again, await alone(new, follow))
     same_output(done, await alone(new, first))
     for request, got in zip(others[1:], rest, strict=True):
