@@ -220,6 +220,11 @@ class Scheduler:
             self._wakeup.set()
         await self._stopped.wait()
 
+    @property
+    def decode_ahead(self) -> bool:
+        """Whether steps are queued ahead (`SchedulerConfig.decode_ahead`, and no drafter)."""
+        return self._stepper.decode_ahead
+
     def stats(self) -> SchedulerStats:
         """A snapshot of the scheduler's state and counters since it started."""
         c = self._counters

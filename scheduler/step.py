@@ -179,8 +179,9 @@ class Stepper:
         # Decode-ahead: after a step of plain decode rows, the next one is queued on the
         # device (on this step's tokens, drawn there, not yet read) while the host resolves
         # this one and the loop plans the next; that plan takes the queued rows it matches
-        # exactly, the pool untouched until then (see `_adopted`).
-        self.decode_ahead = decode_ahead
+        # exactly, the pool untouched until then (see `_adopted`). Not beside a drafter: its
+        # rows are not plain decode rows.
+        self.decode_ahead = decode_ahead and not speculator.max_draft and not speculator.drafters
         self._ahead: Ahead | None = None
         self.ahead_adopted = 0  # decode-ahead steps taken (in part or whole) / dropped
         self.ahead_dropped = 0
@@ -348,12 +349,9 @@ class Stepper:
     ) -> None:
         """Queue the next decode step on this step's tokens, drawn on the device as the
         resolve will draw them (argmax, or each sampled row's next uniform, peeked), when
-        every row is a plain decode row of a request without penalties or bias and the
-        speculator has nothing to draft with; the rows of requests that end with this
-        step's token, or whose context is full, are left out."""
-        if self.speculator.max_draft or self.speculator.drafters or len(rows) != len(states):
-            return
-        if not all(d.params.unadjusted for d in states):
+        every row is a plain decode row of a request without penalties or bias; the rows of
+        requests that end with this step's token, or whose context is full, are left out."""
+        if len(rows) != len(states) or not all(d.params.unadjusted for d in states):
             return
         pool = self.runner.pool
         go = [

@@ -198,15 +198,26 @@ def test_dtype_and_compile_settings_reach_the_model_and_runner(model: Path) -> N
     assert runner.model.dtype == mx.bfloat16
 
 
-def test_decode_ahead_reaches_the_scheduler_and_is_checked(model: Path) -> None:
-    """`decode_ahead`: off by default; "on" reaches the scheduler's step thread; anything
+def test_decode_ahead_reaches_the_scheduler_and_is_checked(
+    model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`decode_ahead`: off by default; "on" reaches the scheduler with speculation off, and
+    with speculation on (where it cannot run) it is off and the daemon says so; anything
     else is refused naming the key."""
     with pytest.raises(ConfigError, match=r"decode_ahead.*expected one of off, on"):
         load(None, {"SLOTSERVE_DECODE_AHEAD": "yes"}, no_flags(model=str(model)))
-    for value, on in (("off", False), ("on", True)):
-        env = {"SLOTSERVE_DECODE_AHEAD": value, "SLOTSERVE_PREFIX_CACHE": ""}
+    for value, speculation, on in (
+        ("off", "off", False),
+        ("on", "off", True),
+        ("on", "auto", False),
+    ):
+        env = {"SLOTSERVE_DECODE_AHEAD": value, "SLOTSERVE_SPECULATION": speculation}
+        env["SLOTSERVE_PREFIX_CACHE"] = ""
+        caplog.clear()
         scheduler, _ = build_scheduler(load(None, env, no_flags(model=str(model), slots="1")))
-        assert scheduler._stepper.decode_ahead is on
+        assert scheduler.decode_ahead is on
+        warned = any("decode_ahead is on but" in r.getMessage() for r in caplog.records)
+        assert warned is (value == "on" and not on)
 
 
 def test_dense_weights_are_dequantized_at_load_and_stored_ones_are_not(

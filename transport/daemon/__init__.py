@@ -124,6 +124,8 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
     runner = ModelRunner(model, pool, compile=compiled_steps(config.compile))
     speculator = None if config.dflash is None else _dflash_speculator(runner, config.dflash)
     scheduler = s.Scheduler(runner, tokenizer, sched_config, speculator)
+    if config.decode_ahead == "on" and not scheduler.decode_ahead:
+        log.warning("decode_ahead is on but does nothing with speculation on: set speculation off")
     return scheduler, ModelInfo.of(scheduler, config.model_name or path.stem)
 
 
