@@ -40,6 +40,8 @@ def sample(c: Contender, n: int, prompt: int, steps: int, seed: int, vocab: int)
             for row, t in zip(out, toks, strict=True):
                 row.append(t)
             toks = c.greedy(toks)
+        if hasattr(c, "settle"):  # ours-ahead: the step queued past the last is timed too
+            c.settle()
     res = {"decode_s": m.wall, "cores": m.cores, "others": m.others, "tokens": out}
     if hasattr(c, "timings"):  # ours: where a step's wall time went (ms, medians)
         res["phases_ms"] = c.timings()
@@ -49,7 +51,14 @@ def sample(c: Contender, n: int, prompt: int, steps: int, seed: int, vocab: int)
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     sides = harness.sides_for(
-        args.blas, args.compile, args.threads, args.kv_dtype, args.peers, args.dtype, args.dense
+        args.blas,
+        args.compile,
+        args.threads,
+        args.kv_dtype,
+        args.peers,
+        args.dtype,
+        args.dense,
+        args.ahead,
     )
     names = [s.name for s in sides]
     pairs = harness.ratios(sides)
@@ -183,6 +192,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--dense",
         action="store_true",
         help="ours dequantizes quantized matrices at load (the daemon's weights = dense)",
+    )
+    p.add_argument(
+        "--ahead",
+        action="store_true",
+        help="also ours as ours-ahead: each step queued on the device on the previous step's "
+        "argmax before the host reads it (the scheduler's decode_ahead); same tokens",
     )
     p.add_argument("--ns", default=[1, 2, 4, 8, 16], type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens per sequence")

@@ -113,10 +113,13 @@ def sides_for(
     peers: Sequence[str] = ("llama",),
     dtype: str = "float32",
     dense: bool = False,
+    ahead: bool = False,
 ) -> list[Side]:
     """Our engine once per BLAS in `blas` ("bundled" | "openblas"), then mlx-lm once per BLAS
     (if in `peers`), then llama.cpp (if in `peers`). `dense`: ours dequantizes a quantized
-    file's matrices at load (the daemon's `weights = "dense"`); the peers do not."""
+    file's matrices at load (the daemon's `weights = "dense"`); the peers do not. `ahead`:
+    ours once more per BLAS, as "ours-ahead", queueing each step on the previous one's tokens
+    on the device (the scheduler's `decode_ahead`)."""
     sides = []
     kinds = ["ours"] + (["mlx-lm"] if "mlx-lm" in peers else [])
     for kind in kinds:
@@ -128,7 +131,11 @@ def sides_for(
                 opts["dense"] = True
                 name = name.replace("ours", "ours-dense", 1)
             # MLX's CPU backend runs its ops on one thread; only OpenBLAS brings threads of its own.
-            sides.append(Side(name, kind, opts, env, cores=n_threads if env else 1, blas=b))
+            cores = n_threads if env else 1
+            sides.append(Side(name, kind, opts, env, cores=cores, blas=b))
+            if kind == "ours" and ahead:
+                ahead_name = name.replace("ours", "ours-ahead", 1)
+                sides.append(Side(ahead_name, kind, opts | {"ahead": True}, env, cores, b))
     if "llama" in peers:
         llama_opts = {"n_threads": n_threads, "kv_dtype": kv_dtype}
         sides.append(Side("llama.cpp", "llama", llama_opts, cores=n_threads))

@@ -27,7 +27,7 @@ def test_suite_runs_both_models_and_writes_its_tables(
     big = make_model("tiny", quant="q8_0", ssm_state_size=32)
     cmd = [sys.executable, "bench/gpu_suite.py", "--small", str(small), "--big", str(big)]
     cmd += ["--dtype", "float32", "--ns", "1,2", "--prompt", "6", "--steps", "3", "--reps", "1"]
-    cmd += ["--alone"]
+    cmd += ["--alone", "--ahead"]
     env = os.environ | {"OUT": str(tmp_path)}
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
 
@@ -36,11 +36,14 @@ def test_suite_runs_both_models_and_writes_its_tables(
     for r in record["models"].values():
         checks = r["batched"]["checks"]
         assert {"side": "mlx-lm", "same_tokens_as_ours": True} in checks
+        # decode-ahead (each step queued on the last one's argmax on the device) changes no token
+        assert {"side": "ours-ahead", "same_tokens_as_ours": True} in checks
     assert [s["n"] for s in record["models"][small.stem]["batched"]["summary"]] == [1, 2]
     assert record["models"][big.stem]["roofline_tok_s"] > 0
     table = (tmp_path / "gpu_suite.md").read_text()
     assert f"| ours, {small.stem} |" in table and "ours / mlx-lm >= 3" in table
     assert f"| ours alone (no mlx-lm worker), {small.stem} |" in table
+    assert f"| ours-ahead, {small.stem} |" in table and "ours-ahead / mlx-lm >= 3" in table
     assert [s["n"] for s in record["models"][small.stem]["alone"]["summary"]] == [1, 2]
 
 
