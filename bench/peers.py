@@ -131,6 +131,9 @@ class Ours:
             self.pending = self.runner.launch(self.slots, mx.array(tokens, dtype=mx.int32))
         out = self.runner.adopt(self.pending, range(len(self.slots)))
         nxt = mx.argmax(last_logits(out.rows), axis=-1).astype(mx.int32)
+        # its own evaluation: evaluated within the next step's, it would be ready (and
+        # readable) only when that whole step is
+        mx.async_eval(nxt)
         self.pending = self.runner.launch(self.slots, nxt)
         host = self.runner.last_host_s
         t1 = time.perf_counter()
