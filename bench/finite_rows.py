@@ -1,7 +1,7 @@
 """Cost of the scheduler's per-step check that every row's logits are finite.
 
 Compares checking each row on its own (a slice and a sum per row, as first written)
-with `scheduler.step._finite_rows` (one reduction over the runner's packed logits, then
+with `scheduler.step.FiniteCheck` (one reduction over the runner's packed logits, then
 O(1) host work per row), for N one-position rows of a 512-token vocabulary, CPU.
 
     .venv/bin/python bench/finite_rows.py
@@ -15,12 +15,16 @@ import mlx.core as mx
 import numpy as np
 
 from engine.runner import RowOutput
-from scheduler.step import _finite_rows
+from scheduler.step import FiniteCheck
 
 
 def per_row(rows: list[RowOutput]) -> list[bool]:
     sums = mx.stack([mx.sum(o.logits) for o in rows])
     return [bool(x) for x in np.array(mx.isfinite(sums))]
+
+
+def packed(rows: list[RowOutput]) -> list[bool]:
+    return FiniteCheck(rows).read()
 
 
 def main() -> None:
@@ -30,7 +34,7 @@ def main() -> None:
         logits = mx.random.normal((n, 512))
         mx.eval(logits)
         ms = []
-        for fn in (per_row, _finite_rows):
+        for fn in (per_row, packed):
             times = []
             for _ in range(20):
                 rows = [RowOutput(packed=(logits, None, i, 1)) for i in range(n)]

@@ -62,6 +62,10 @@ FaultHook = Callable[[list[str]], Collection[str] | None]
 runs. What it raises is handled as a fault of that forward; the ids it returns get NaN
 logits from the forward (a numerical fault in their rows). See the module docstring."""
 
+Launch = Callable[[list[RowOutput], Sequence[mx.array]], None]
+"""Decode-ahead's hook into a checked step: the rows' outputs and the (lazy) arrays the
+host will read to check them."""
+
 UNCHANGED = (BatchError, PoolError)
 """Exceptions after which the runner guarantees the pool is unchanged."""
 
@@ -183,6 +187,9 @@ class Stepper:
         # rows are not plain decode rows.
         self.decode_ahead = decode_ahead and not speculator.max_draft and not speculator.drafters
         self._ahead: Ahead | None = None
+        # this step's tokens, drawn on the device before the next step was queued behind it
+        # (`_launch_ahead`), for the resolve to read: (the rows' outputs, by identity; tokens)
+        self._drawn: tuple[list[int], mx.array] | None = None
         self.ahead_adopted = 0  # decode-ahead steps taken (in part or whole) / dropped
         self.ahead_dropped = 0
         self.ahead_beside_prefill = 0  # taken while new prompts' chunks ran on their own
@@ -227,7 +234,7 @@ class Stepper:
         chunks = prefill_chunks(prefilling, budget, plan.max_chunk)
         entries = [(c.seq, self._prefill_row(c)) for c in chunks]
         entries += list(zip(decoding, rows, strict=True))
-        ahead, self._ahead = self._ahead, None
+        ahead, self._ahead, self._drawn = self._ahead, None, None
         if not entries:
             return
         t1 = time.perf_counter()
@@ -345,12 +352,22 @@ class Stepper:
             return None
 
     def _launch_ahead(
-        self, seqs: list[Seq], states: list[DecodingSlot], rows: list[RowOutput]
+        self,
+        seqs: list[Seq],
+        states: list[DecodingSlot],
+        rows: list[RowOutput],
+        checks: Sequence[mx.array] = (),
     ) -> None:
         """Queue the next decode step on this step's tokens, drawn on the device as the
-        resolve will draw them (argmax, or each sampled row's next uniform, peeked), when
+        resolve would draw them (argmax, or each sampled row's next uniform, peeked), when
         every row is a plain decode row of a request without penalties or bias; the rows of
-        requests that end with this step's token, or whose context is full, are left out."""
+        requests that end with this step's token, or whose context is full, are left out.
+
+        What the host reads of this step — the tokens (`_drawn`, which the resolve reads
+        instead of drawing again) and `checks` (the finiteness sums) — is evaluated on its
+        own before the next step is queued: computed after, on the one stream, it would be
+        ready only once the next step is done, and the host would wait for the step it
+        queued to hide."""
         if len(rows) != len(states) or not all(d.params.unadjusted for d in states):
             return
         pool = self.runner.pool
@@ -361,21 +378,24 @@ class Stepper:
         ]
         if not go:
             return
-        params = [states[i].params for i in go]
-        uniforms = [states[i].rng.peek() for i, p in zip(go, params, strict=True) if not p.greedy]
-        tokens = device_tokens(last_logits([rows[i] for i in go]), params, uniforms)
+        params = [d.params for d in states]
+        uniforms = [d.rng.peek() for d in states if not d.params.greedy]
+        drawn = device_tokens(last_logits(rows), params, uniforms)
+        fed = drawn if len(go) == len(rows) else drawn[mx.array(go, dtype=mx.int32)]
+        mx.async_eval(drawn, fed, *checks)
+        self._drawn = (list(map(id, rows)), drawn)
         try:
-            pending = self.runner.launch([states[i].slot for i in go], tokens)
+            pending = self.runner.launch([states[i].slot for i in go], fed)
         except UNCHANGED:
             return
-        self._ahead = Ahead([seqs[i] for i in go], tokens, pending)
+        self._ahead = Ahead([seqs[i] for i in go], fed, pending)
 
     def _forward(
         self,
         entries: list[tuple[Seq, Row]],
         result: StepResult,
         offset: int = 0,
-        launch: Callable[[list[RowOutput]], None] | None = None,
+        launch: Launch | None = None,
     ) -> dict[int, RowOutput]:
         """Outputs by entry index (+ `offset`); failed entries are added to `result`.
         `launch` sees the rows' outputs before they are checked (decode-ahead)."""
@@ -402,7 +422,7 @@ class Stepper:
         rows: list[RowOutput],
         result: StepResult,
         offset: int,
-        launch: Callable[[list[RowOutput]], None] | None,
+        launch: Launch | None,
         taken: bool = False,
     ) -> dict[int, RowOutput]:
         """The rows whose logits are finite, by entry index (+ `offset`); the others' requests
@@ -416,9 +436,10 @@ class Stepper:
             except Exception as e:
                 result.failed += [(s, _describe(e)) for s, _ in entries]
                 return {}
+        check = FiniteCheck(rows)
         if launch is not None:
-            launch(rows)
-        finite = _finite_rows(rows)
+            launch(rows, check.arrays)
+        finite = check.read()
         if all(finite):
             return dict(enumerate(rows, offset))
         outputs = {}
@@ -439,8 +460,11 @@ class Stepper:
         """The decode rows' tokens (`states[i]` is `seqs[i].decoding`) into `result`."""
         if not seqs:
             return
+        drawn = None
+        if self._drawn is not None and self._drawn[0] == list(map(id, outputs)):
+            drawn = self._drawn[1]
         try:
-            resolved = self.speculator.resolve_step(states, outputs)
+            resolved = self.speculator.resolve_step(states, outputs, drawn)
             if isinstance(resolved, PlainStep):
                 tokens, adjusted = resolved.tokens, resolved.adjusted
                 logprobs: list[list[TokenLogprob]] | None = None
@@ -512,46 +536,61 @@ def _logprobs(logits: list[mx.array], tokens: list[int], seq: Seq) -> list[Token
     ]
 
 
-def _finite_rows(rows: list[RowOutput]) -> list[bool]:
+class FiniteCheck:
     """Per row: are all its logits finite? (A sum is finite only when every term is.)
 
     Rows the runner made share one packed logits array: one reduction over it serves
     them all, without slicing each row out; a row made otherwise (a poisoned one) gets its
-    own. One sync: the logits are evaluated already. On the CPU, numpy checks the packed
-    logits in place (several times faster than MLX's reductions there).
+    own. `arrays` are the lazy reductions (none on the CPU, where numpy checks the packed
+    logits in place, several times faster than MLX's reductions there); `read` evaluates
+    them (one sync) and answers.
     """
-    if not rows:
-        return []
-    packs = list(map(_packed_of, rows))
-    arrays = list(map(_first, filter(None, packs)))  # (C loops: this runs for every row)
-    shared = dict(zip(map(id, arrays), arrays, strict=True))
-    sums: dict[int, Any]
-    if on_host():
-        sums = {key: np.isfinite(np.asarray(a)).all(-1) for key, a in shared.items()}
-    else:
-        sums = {key: mx.isfinite(a.sum(-1)) for key, a in shared.items()}
-    own = (
-        []
-        if len(arrays) == len(rows)
-        else [mx.isfinite(o.logits.sum()) for o in rows if o.packed is None]
-    )
-    mx.eval([s for s in sums.values() if isinstance(s, mx.array)], own)
-    if not own and not any(np.any(~np.asarray(ok)) for ok in sums.values()):
-        return [True] * len(rows)  # the common case, with no walk over the rows
-    # bad positions before each index: a row [at, at + n) is fine when none lie within it
-    bad_before = {
-        key: np.concatenate([[0], np.cumsum(~np.asarray(ok))]).tolist() for key, ok in sums.items()
-    }
-    own_ok = iter([bool(ok) for ok in own])
-    out = []
-    for o in rows:
-        if o.packed is None:
-            out.append(next(own_ok))
-        else:
-            logits, _, at, n = o.packed
-            bad = bad_before[id(logits)]
-            out.append(bad[at + n] == bad[at])
-    return out
+
+    def __init__(self, rows: list[RowOutput]) -> None:
+        self.rows = rows
+        packs = list(map(_packed_of, rows))
+        arrays = list(map(_first, filter(None, packs)))  # (C loops: this runs for every row)
+        self.shared = dict(zip(map(id, arrays), arrays, strict=True))
+        self.sums: dict[int, mx.array] = {}
+        self.own: list[mx.array] = []
+        if not rows or on_host():
+            return
+        self.sums = {key: mx.isfinite(a.sum(-1)) for key, a in self.shared.items()}
+        if len(arrays) != len(rows):
+            self.own = [mx.isfinite(o.logits.sum()) for o in rows if o.packed is None]
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [*self.sums.values(), *self.own]
+
+    def read(self) -> list[bool]:
+        rows = self.rows
+        if not rows:
+            return []
+        sums: dict[int, Any] = self.sums
+        own = self.own
+        if on_host():
+            sums = {key: np.isfinite(np.asarray(a)).all(-1) for key, a in self.shared.items()}
+            if len(self.shared) != len(rows):
+                own = [mx.isfinite(o.logits.sum()) for o in rows if o.packed is None]
+        mx.eval([s for s in sums.values() if isinstance(s, mx.array)], own)
+        if not own and not any(np.any(~np.asarray(ok)) for ok in sums.values()):
+            return [True] * len(rows)  # the common case, with no walk over the rows
+        # bad positions before each index: a row [at, at + n) is fine when none lie within it
+        bad_before = {
+            key: np.concatenate([[0], np.cumsum(~np.asarray(ok))]).tolist()
+            for key, ok in sums.items()
+        }
+        own_ok = iter([bool(ok) for ok in own])
+        out = []
+        for o in rows:
+            if o.packed is None:
+                out.append(next(own_ok))
+            else:
+                logits, _, at, n = o.packed
+                bad = bad_before[id(logits)]
+                out.append(bad[at + n] == bad[at])
+        return out
 
 
 _packed_of, _tokens_of = attrgetter("packed"), attrgetter("tokens")

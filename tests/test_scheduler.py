@@ -359,9 +359,12 @@ class CommittedSpeculator(Speculator):
     (as `resolve` does), never with a `PlainStep`."""
 
     def resolve_step(
-        self, decoding: Sequence[DecodingSlot], outputs: Sequence[RowOutput]
+        self,
+        decoding: Sequence[DecodingSlot],
+        outputs: Sequence[RowOutput],
+        drawn: mx.array | None = None,
     ) -> PlainStep | list[Committed]:
-        resolved = super().resolve_step(decoding, outputs)
+        resolved = super().resolve_step(decoding, outputs, drawn)
         return resolved.committed() if isinstance(resolved, PlainStep) else resolved
 
 

@@ -178,7 +178,7 @@ def test_max_tokens_defaults_to_the_rest_of_the_context_and_eos_stops(
 
 def test_non_finite_logits_mark_only_their_rows_packed_or_not() -> None:
     from engine.runner import RowOutput
-    from scheduler.step import _finite_rows
+    from scheduler.step import FiniteCheck
 
     logits = mx.where(mx.arange(5)[:, None] == 3, mx.nan, mx.zeros((5, 8)))  # position 3
     rows = [
@@ -188,7 +188,7 @@ def test_non_finite_logits_mark_only_their_rows_packed_or_not() -> None:
         RowOutput(logits=mx.array([[1.0, mx.inf]])),
         RowOutput(logits=mx.array([[1.0, 2.0]])),
     ]
-    assert _finite_rows(rows) == [True, False, True, False, True]
+    assert FiniteCheck(rows).read() == [True, False, True, False, True]
 
 
 # -- a plain step's commit ------------------------------------------------------------------------

@@ -365,6 +365,43 @@ def test_a_plain_step_samples_every_row_as_sample_rows_does(
     assert {(c.drafted, c.accepted, c.drafter) for c in committed} == {(0, 0, "")}
 
 
+def test_tokens_drawn_ahead_are_read_and_use_up_the_uniforms_drawing_would(model: Model) -> None:
+    """`resolve_step(..., drawn)` (decode-ahead drew the step's tokens on the device before
+    queueing the next step) commits exactly those tokens — here deliberately not the ones
+    drawing would give, to see that they are read, not drawn again — and leaves each
+    sampled request's generator where drawing would: its next draw is the same."""
+    mix = [
+        GREEDY,
+        SamplingParams(temperature=0.9, top_k=30),
+        SamplingParams(temperature=1.2, logprobs=2),
+    ]
+    spec, chosen = plain_speculator(model, len(mix)), prompts(len(mix), 4)
+    runner = spec.runner
+    runner.step([Row(SlotId(i), p[:-1], 0) for i, p in enumerate(chosen)])
+    states = [
+        DecodingSlot(SlotId(i), p[-1], list(p), params, RequestRng(70 + i))
+        for i, (p, params) in enumerate(zip(chosen, mix, strict=True))
+    ]
+    outputs = runner.step(spec.plan(states)).rows
+    drawn = mx.array([3, 1, 4], dtype=mx.int32)
+    resolved = spec.resolve_step(states, outputs, drawn)
+
+    assert isinstance(resolved, PlainStep) and resolved.tokens == [3, 1, 4]
+    assert mx.array_equal(resolved.adjusted, mx.concatenate([o.logits[-1:] for o in outputs]))
+    twins = [RequestRng(70 + i) for i in range(len(mix))]
+    for twin, params in zip(twins, mix, strict=True):
+        if not params.greedy:
+            twin.uniform(1)
+    assert [s.rng.uniform(1).tolist() for s in states] == [t.uniform(1).tolist() for t in twins]
+
+    # drawn ahead for a request with a penalty (the device draw knows no history): refused
+    penalized = [SamplingParams(temperature=0.0, frequency_penalty=1.0)]
+    state = DecodingSlot(SlotId(0), 5, [1, 5], penalized[0], RequestRng(0))
+    out = runner.step(spec.plan([state])).rows
+    with pytest.raises(SpecError, match="penalties or a logit bias"):
+        spec.resolve_step([state], out, mx.array([2], dtype=mx.int32))
+
+
 def test_resolving_a_slot_that_was_not_planned_changes_nothing(model: Model) -> None:
     spec = plain_speculator(model, 2)
     states = [DecodingSlot(SlotId(i), 5, [1, 5], GREEDY, RequestRng(i)) for i in range(2)]

@@ -343,10 +343,19 @@ class Speculator:
         return resolved.committed() if isinstance(resolved, PlainStep) else resolved
 
     def resolve_step(
-        self, decoding: Sequence[DecodingSlot], outputs: Sequence[RowOutput]
+        self,
+        decoding: Sequence[DecodingSlot],
+        outputs: Sequence[RowOutput],
+        drawn: mx.array | None = None,
     ) -> PlainStep | list[Committed]:
         """`resolve`, but a step in which no slot drafted comes back as a `PlainStep`: its
-        tokens in one list, with no object per slot (the scheduler's common step)."""
+        tokens in one list, with no object per slot (the scheduler's common step).
+
+        `drawn [N]`: the step's tokens, already drawn on the device by `device_tokens` from
+        these outputs' logits (each sampled row on its request's next uniform, peeked) for a
+        step with no drafts and no penalty or bias; they are read instead of drawn again, and
+        each sampled row's uniform is used up as drawing would. (The scheduler draws them
+        before it queues the next step behind this one: drawn after, they would wait for it.)"""
         if len(outputs) != len(decoding):
             raise SpecError(f"{len(outputs)} outputs for {len(decoding)} decoding slots")
         slots = list(map(_slot_of, decoding))
@@ -365,9 +374,11 @@ class Speculator:
         ks = [len(p.draft.tokens) for p in plans] if self.max_draft else []
         resolved: PlainStep | list[Committed]
         if any(ks):
+            if drawn is not None:
+                raise SpecError("tokens drawn ahead for a step that verifies drafts")
             resolved = self._accept(decoding, plans, outputs, ks)
         else:
-            resolved = self._plain(decoding, slots, plans, outputs)
+            resolved = self._plain(decoding, slots, plans, outputs, drawn)
         self._observe_cycle(len(decoding))
         return resolved
 
@@ -378,13 +389,28 @@ class Speculator:
         slots: list[SlotId],
         plans: list[_Plan],
         outputs: Sequence[RowOutput],
+        drawn: mx.array | None = None,
     ) -> PlainStep:
         """A step without drafts: one token per slot, sampled (`sample`) with no acceptance.
         The same tokens `_accept` would give for K = 0, at a fraction of its cost."""
         params = list(map(_params_of, decoding))
-        tokens, adjusted = sample_rows(
-            last_logits(outputs), params, [d.history for d in decoding], [d.rng for d in decoding]
-        )
+        if drawn is None:
+            tokens, adjusted = sample_rows(
+                last_logits(outputs),
+                params,
+                [d.history for d in decoding],
+                [d.rng for d in decoding],
+            )
+        else:
+            if drawn.shape != (len(decoding),) or not all(p.unadjusted for p in params):
+                raise SpecError(
+                    f"tokens drawn ahead of shape {drawn.shape} for {len(decoding)} rows, "
+                    "or for a request with penalties or a logit bias"
+                )
+            for d in decoding:
+                if not d.params.greedy:
+                    d.rng.uniform(1)  # the uniform `drawn` peeked, used up as `sample` would
+            tokens, adjusted = cast(list[int], drawn.tolist()), last_logits(outputs)
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs]
         if self.drafters:  # they follow the trunk
             for slot, plan, out in zip(slots, plans, outputs, strict=True):
