@@ -148,9 +148,12 @@ def measure(
     runs: dict[tuple[str, str], list[Run]] = {c: [] for c in configs}
     for c in configs:  # warm-up: kernel builds, allocations and the controller's first steps
         generate(specs[c], requests[c])
+    # forwards of a shape not compiled yet (compiled runner: eager, or compiling) in timed runs
+    cold = {c: -specs[c].runner.cold_steps for c in configs}
     for _ in range(args.repeats):
         for c in configs:
             runs[c].append(generate(specs[c], requests[c]))
+    cold = {c: specs[c].runner.cold_steps + v for c, v in cold.items()}
     plain = statistics.median(r.decode_s for r in runs[("plain", "off")])
     plain_busy = statistics.median(r.busy_tokens / r.busy_s for r in runs[("plain", "off")])
     rows = []
@@ -175,6 +178,7 @@ def measure(
                 "mean_k": drafted / steps if steps else 0.0,
                 "verify_share": rounds / steps if steps else 0.0,
                 "steps": statistics.median(r.steps for r in rs),
+                "cold_per_run": cold[drafter, mode] / len(rs),
             }
         )
     return rows
@@ -186,8 +190,8 @@ def table(rows: list[dict[str, object]]) -> str:
 
     out = [
         "| N | text | drafter | mode | tok/s | speed-up | busy tok/s | busy speed-up "
-        "| acceptance | accepted/round | mean K | verify share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| acceptance | accepted/round | mean K | verify share | steps | cold forwards |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         out.append(
@@ -195,7 +199,8 @@ def table(rows: list[dict[str, object]]) -> str:
             f"| {fmt(r['speedup'], '.2f')}x | {fmt(r['busy_tok_s'], '.0f')} "
             f"| {fmt(r['busy_speedup'], '.2f')}x | {fmt(r['acceptance'], '.2f')} "
             f"| {fmt(r['accepted_per_round'], '.2f')} | {fmt(r['mean_k'], '.2f')} "
-            f"| {fmt(r['verify_share'], '.2f')} |"
+            f"| {fmt(r['verify_share'], '.2f')} | {fmt(r['steps'], '.0f')} "
+            f"| {fmt(r['cold_per_run'], '.1f')} |"
         )
     return "\n".join(out)
 

@@ -85,6 +85,36 @@ def test_greedy_speculation_is_token_identical_to_plain_decoding(
         assert sum(s.accepted for s in by_mode["on"]) >= N_GEN // 2
 
 
+@pytest.mark.parametrize("drafters", ["ngram", "ngram+mtp"])
+def test_uniform_verify_rows_keep_greedy_output_and_one_shape_per_depth(
+    model: Model, solo: Callable[[list[int]], list[int]], drafters: str
+) -> None:
+    """`uniform_verify` (a compiled runner's default): in a step where any slot drafts, every
+    row feeds 1 + the deepest draft tokens — shorter drafts and plain rows padded with filler
+    that is rolled back unread — and captures. Outputs stay those of plain decoding, and
+    every verify step's rows are alike: one layout per depth (with ragged rows the same run
+    makes a new one nearly every step)."""
+    spec = speculator(model, drafters, 8)
+    spec.uniform_verify = True
+    verify: list[tuple[tuple[int, ...], tuple[bool, ...]]] = []
+    step = spec.runner.step
+
+    def recording(batch: list[Row]) -> object:
+        if any(r.capture for r in batch):
+            verify.append((tuple(len(r.tokens) for r in batch), tuple(r.capture for r in batch)))
+        return step(batch)
+
+    spec.runner.step = recording  # type: ignore[method-assign]
+    requests = [Request(p, N_GEN, speculation=m) for p, m in zip(prompts(8), MODES, strict=True)]
+    run = generate(spec, requests)
+    assert run.tokens == [solo(r.prompt) for r in requests]
+    assert sum(s.accepted for s in run.stats) > 0 and any(s.drafted == 0 for s in run.stats)
+    ragged = [(lengths, flags) for lengths, flags in verify if len(set(lengths)) > 1]
+    # (a row may fall short of the others only where its slot's context has no room left)
+    assert verify and not ragged and all(all(flags) for _, flags in verify)
+    assert len({lengths for lengths, _ in verify}) <= K * 8  # depths x batch sizes
+
+
 def test_both_drafters_together_and_slot_reuse_keep_greedy_output(
     model: Model, solo: Callable[[list[int]], list[int]]
 ) -> None:

@@ -156,6 +156,7 @@ class _Plan:
     drafter: str
     draft: Draft
     length: int  # the slot's trunk length when planned
+    fed: int = 0  # tokens its row fed beyond the draft's 1 + K (filler: `uniform_verify`)
 
 
 _PLAIN = _Plan("", _NO_DRAFT, -1)  # every slot's plan in a step without drafters
@@ -203,6 +204,7 @@ class Speculator:
         max_draft: int = 0,
         drafters: Sequence[Drafter] | None = None,
         controller: CostController | None = None,
+        uniform_verify: bool | None = None,
     ) -> None:
         if not 0 <= max_draft <= runner.pool.max_draft:
             raise ValueError(
@@ -219,6 +221,14 @@ class Speculator:
             raise ValueError(f"drafters tap different trunk layers {sorted(taps)}; use one")
         self.layers: tuple[int, ...] = taps.pop() if taps else ()
         self.controller = controller if controller is not None else CostController()
+        # Uniform verify steps (default: in a compiled runner): in a step where any slot
+        # drafts, every row feeds as many tokens as the deepest draft plus one — a shorter
+        # draft (or none) padded with filler tokens whose positions are rolled back unread —
+        # and keeps its state after each position. Rows then differ in nothing the compiled
+        # forward is keyed on, so a verify step's shape is (rows, depth, past), not one of
+        # the many mixes of per-slot depths and capture flags that drafts make: with ragged
+        # rows nearly every verify step met a shape not compiled yet (run eagerly, or traced).
+        self.uniform_verify = runner.compile if uniform_verify is None else uniform_verify
         self._plans: dict[SlotId, _Plan] = {}
         self._cycle: tuple[float, int, int] | None = None  # start, row tokens, depth
         self._cold_at_plan = 0  # the runner's `cold_steps` when the cycle was planned
@@ -312,17 +322,23 @@ class Speculator:
                 if draft.tokens:
                     drafts[job.d.slot] = (drafter.name, draft)
         rows = []
+        deepest = max((len(x.tokens) for _, x in drafts.values()), default=0)
+        room = self.runner.pool.max_context
         for d, n in zip(decoding, lengths, strict=True):
             name, draft = drafts.get(d.slot, ("", Draft()))
             k = len(draft.tokens)
-            self._plans[d.slot] = _Plan(name, draft, n)
+            tokens = [d.pending, *draft.tokens]
+            if self.uniform_verify and deepest:
+                # filler: the row's last token again (read by nothing: rolled back)
+                tokens += tokens[-1:] * max(0, min(deepest - k, room - n - k - 1))
+            self._plans[d.slot] = _Plan(name, draft, n, len(tokens) - k - 1)
             rows.append(
                 Row(
                     d.slot,
-                    [d.pending, *draft.tokens],
+                    tokens,
                     n,
-                    capture=k > 0,
-                    want=range(k + 1),
+                    capture=len(tokens) > 1,
+                    want=range(len(tokens)),
                     want_hidden=self._needs_hidden(d.slot),
                     taps=self._taps(d.slot),
                 )
@@ -431,7 +447,7 @@ class Speculator:
             for d, p, k in zip(decoding, plans, ks, strict=True)
             for j in range(k + 1)
         ]
-        logits = mx.concatenate([o.logits[-(k + 1) :] for o, k in zip(outputs, ks, strict=True)])
+        logits = mx.concatenate([o.logits[: k + 1] for o, k in zip(outputs, ks, strict=True)])
         adjusted = adjust_logits(logits, params, histories)
         p = _per_slot(distribution(adjusted, params), ks)
         uniforms = [d.rng.uniform(k + 1) for d, k in zip(decoding, ks, strict=True)]
@@ -449,8 +465,13 @@ class Speculator:
             u_accept,
             np.array([u[-1] for u in uniforms]),
         )
-        # Rejected drafts: every such slot rolls back in one pool update per state kind.
-        rejected = [(d.slot, int(a) + 1) for d, k, a in zip(decoding, ks, n, strict=True) if a < k]
+        # Rejected drafts (and filler): every such slot rolls back in one pool update per
+        # state kind.
+        rejected = [
+            (d.slot, int(a) + 1)
+            for d, p, k, a in zip(decoding, plans, ks, n, strict=True)
+            if a < k + p.fed
+        ]
         if rejected:
             self.runner.pool.rollback_many(rejected)
         committed, offset = [], 0
