@@ -91,20 +91,29 @@ def test_uniform_verify_rows_keep_greedy_output_and_one_shape_per_depth(
 ) -> None:
     """`uniform_verify` (a compiled runner's default): in a step where any slot drafts, every
     row feeds 1 + the deepest draft tokens — shorter drafts and plain rows padded with filler
-    that is rolled back unread — and captures. Outputs stay those of plain decoding, and
-    every verify step's rows are alike: one layout per depth (with ragged rows the same run
-    makes a new one nearly every step)."""
+    that is rolled back unread — and captures; the MTP head's catch-up rows are padded alike.
+    Outputs stay those of plain decoding, and every verify step's rows are alike: one layout
+    per depth (with ragged rows the same run makes a new one nearly every step)."""
     spec = speculator(model, drafters, 8)
     spec.uniform_verify = True
+    for d in spec.drafters:
+        if isinstance(d, MTPDrafter):
+            d.uniform = True  # its catch-up rows too
     verify: list[tuple[tuple[int, ...], tuple[bool, ...]]] = []
-    step = spec.runner.step
+    catch_up: list[tuple[int, ...]] = []
+    step, draft = spec.runner.step, spec.runner.draft
 
     def recording(batch: list[Row]) -> object:
         if any(r.capture for r in batch):
             verify.append((tuple(len(r.tokens) for r in batch), tuple(r.capture for r in batch)))
         return step(batch)
 
+    def drafting(rows: list[DraftRow]) -> object:
+        catch_up.append(tuple(len(r.tokens) for r in rows))
+        return draft(rows)
+
     spec.runner.step = recording  # type: ignore[method-assign]
+    spec.runner.draft = drafting  # type: ignore[method-assign]
     requests = [Request(p, N_GEN, speculation=m) for p, m in zip(prompts(8), MODES, strict=True)]
     run = generate(spec, requests)
     assert run.tokens == [solo(r.prompt) for r in requests]
@@ -113,6 +122,8 @@ def test_uniform_verify_rows_keep_greedy_output_and_one_shape_per_depth(
     # (a row may fall short of the others only where its slot's context has no room left)
     assert verify and not ragged and all(all(flags) for _, flags in verify)
     assert len({lengths for lengths, _ in verify}) <= K * 8  # depths x batch sizes
+    assert ("mtp" in drafters) == bool(catch_up)
+    assert all(len(set(lengths)) == 1 for lengths in catch_up)
 
 
 def test_both_drafters_together_and_slot_reuse_keep_greedy_output(

@@ -211,12 +211,22 @@ class MTPDrafter(Drafter):
 
     name = "mtp"
 
-    def __init__(self, runner: ModelRunner, max_backlog: int = 256, on_device: bool = True) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_backlog: int = 256,
+        on_device: bool = True,
+        uniform: bool | None = None,
+    ) -> None:
         if runner.model.mtp is None:
             raise ValueError(f"{runner.model.path}: this model has no MTP head to draft with")
         self.runner = runner
         self.max_backlog = max_backlog
         self.on_device = on_device
+        # uniform catch-ups (default: in a compiled runner): every row of a catch-up call as
+        # long as the longest, filler rolled back — one compiled shape per width, where the
+        # slots' ragged backlogs (what each accepted) made a new one nearly every step
+        self.uniform = runner.compile if uniform is None else uniform
         self._tails: dict[SlotId, _Tail] = {}
 
     def available(self, d: DecodingSlot, length: int) -> int:
@@ -267,10 +277,17 @@ class MTPDrafter(Drafter):
             tokens = j.d.history[t.start + 1 : j.length + 1]
             rows.append(DraftRow(j.d.slot, tokens, mx.concatenate(t.hidden, axis=0), t.start))
             self._tails[j.d.slot] = _Tail(j.length)
-        self.caught_up = max(len(r.tokens) for r in rows)
+        ends = [len(r.tokens) for r in rows]
+        self.caught_up = max(ends)
+        if self.uniform:
+            rows = _padded(rows, self.caught_up, self.runner.pool.max_context)
+        drafted = self.runner.draft(rows)
+        for r, n in zip(rows, ends, strict=True):
+            if len(r.tokens) > n:  # the filler's entries are not the head's to keep
+                self.runner.pool.truncate_mtp(r.slot, r.start + n)
         chains = [
-            _Chain(jobs[i], out[i], logits[-1:], hidden[-1:])
-            for i, (logits, hidden) in zip(live, self.runner.draft(rows), strict=True)
+            _Chain(jobs[i], out[i], logits[n - 1 : n], hidden[n - 1 : n])
+            for i, n, (logits, hidden) in zip(live, ends, drafted, strict=True)
             if jobs[i].k
         ]
         if self.on_device:
@@ -304,6 +321,21 @@ class MTPDrafter(Drafter):
         shaping = Shaping.of([c.job.d.params for c in chains])
         for c, (tokens, q) in zip(chains, self.runner.draft_chain(rows, shaping), strict=True):
             c.draft.tokens, c.draft.q = tokens, q
+
+
+def _padded(rows: list[DraftRow], width: int, context: int) -> list[DraftRow]:
+    """Catch-up rows made `width` long (as far as the context has room): the last token and
+    hidden state repeated. What the head computes for the filler is read by nothing."""
+    out = []
+    for r in rows:
+        n = len(r.tokens)
+        pad = max(0, min(width, context - r.start) - n)
+        if pad:
+            filler = mx.repeat(r.hidden[-1:], pad, axis=0)
+            tokens = [*r.tokens, *[r.tokens[-1]] * pad]
+            r = DraftRow(r.slot, tokens, mx.concatenate([r.hidden, filler], axis=0), r.start)
+        out.append(r)
+    return out
 
 
 @dataclass
