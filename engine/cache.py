@@ -403,21 +403,25 @@ class SlotPool:
         self._captures.pop(dst, None)
 
     def snapshot(self, slot: SlotId) -> SlotSnapshot:
+        """The slot copied to the host: every state kind sliced for all layers at once and
+        evaluated together — one wait for the device, not one per layer and kind (48 for a
+        0.8B-shaped model, each a round trip on a GPU) — then copied out; the per-layer
+        arrays are views of those copies."""
         self._check(slot)
-        La = self.k.shape[0]
         n, m = self.lengths[slot], self.mtp_lengths[slot]
-        mtp = None
+        at = slice(slot, slot + 1)  # (a slice is a view; an integer index would gather)
+        parts = [self.k[:, at, :n], self.v[:, at, :n], self.conv[:, at], self.ssm[:, at]]
         if self.mtp_k is not None and self.mtp_v is not None:
-            mtp = (host_copy(self.mtp_k[slot, :m]), host_copy(self.mtp_v[slot, :m]))
+            parts += [self.mtp_k[at, :m], self.mtp_v[at, :m]]
+        mx.eval(parts)
+        k, v, conv, ssm, *mtp = map(host_copy, parts)
         return SlotSnapshot(
             length=n,
             mtp_length=m,
-            kv=[
-                (host_copy(self.k[i, slot, :n]), host_copy(self.v[i, slot, :n])) for i in range(La)
-            ],
-            conv=[np.array(c[slot]) for c in self.conv],
-            ssm=[np.array(s[slot]) for s in self.ssm],
-            mtp_kv=mtp,
+            kv=list(zip(k[:, 0], v[:, 0], strict=True)),
+            conv=list(conv[:, 0]),
+            ssm=list(ssm[:, 0]),
+            mtp_kv=(mtp[0][0], mtp[1][0]) if mtp else None,
         )
 
     def restore(self, snap: SlotSnapshot, slot: SlotId) -> None:
