@@ -6,11 +6,12 @@ Workload: rounds of N requests of `--prompt` random tokens, `--tokens` greedy to
 each after one untimed round:
 
 * engine: `ModelRunner` alone (bench/peers.py `Ours`): per round one batched prefill of the
-  N prompts, then `tokens - 1` batched decode steps, argmax on the host;
+  N prompts, then `tokens - 1` batched decode steps, argmax on the device;
 * scheduler: the real `Scheduler` in this process (no sockets), N requests submitted in one
   tick per round and collected;
 * daemon: `slotserve serve` as a subprocess on an ipc socket, driven by `slotserve loadgen`'s
-  closed loop (concurrency N, N x rounds requests) from this process.
+  closed loop (concurrency N, N x rounds requests) from this process; then again with the
+  daemon's prefix cache off (`--no-no-cache-row` skips it): the scheduler row has no cache.
 
 tokens/s = generated tokens / wall seconds of the timed rounds; each row's ratio to the
 engine row; TTFT p50 / p95 where there are requests. The script re-executes itself with the
@@ -52,7 +53,7 @@ def engine_rounds(path: Path, args: argparse.Namespace, vocab: int) -> dict[str,
         ours.start(args.n, args.prompt + args.tokens)
         toks = [int(t) for t in np.argmax(ours.prefill(prompts), axis=-1)]
         for _ in range(args.tokens - 1):
-            toks = [int(t) for t in np.argmax(ours.decode(toks), axis=-1)]
+            toks = ours.greedy(toks)  # argmax on the device, as the scheduler's
         if r:
             walls.append(time.perf_counter() - t0)
     return {"tokens": args.n * args.tokens * args.rounds, "wall_s": sum(walls)}
@@ -80,9 +81,13 @@ async def scheduler_rounds(path: Path, args: argparse.Namespace) -> dict[str, An
     return {"tokens": tokens, "wall_s": wall, "ttft_s": ttft}
 
 
-def daemon_rounds(path: Path, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+def daemon_rounds(
+    path: Path, args: argparse.Namespace, tmp: Path, prefix_cache: bool = True
+) -> dict[str, Any]:
     endpoint = f"ipc://{tmp}/end_to_end.sock"
     serve = ["--model", str(path), "--endpoints", endpoint, "--slots", str(args.n)]
+    if not prefix_cache:
+        serve += ["--prefix-cache", ""]
     serve += ["--context", str(args.prompt + args.tokens + 8), "--speculation", "off"]
     serve += ["--metrics-address", "", "--blas", args.blas, "--log-level", "warning"]
     serve += ["--dtype", args.dtype, "--compile", args.compile, "--decode-ahead", args.decode_ahead]
@@ -127,6 +132,8 @@ def main() -> None:
     rows["engine"] = engine_rounds(path, args, vocab)
     rows["scheduler"] = anyio.run(scheduler_rounds, path, args)
     rows["daemon + loadgen"] = daemon_rounds(path, args, tmp)
+    if args.no_cache_row:
+        rows["daemon, no prefix cache"] = daemon_rounds(path, args, tmp, prefix_cache=False)
     base = rows["engine"]["tokens"] / rows["engine"]["wall_s"]
     table = []
     for name, r in rows.items():
@@ -164,6 +171,13 @@ def parse_args() -> argparse.Namespace:
         default="off",
         choices=["off", "on"],
         help="the daemon's decode_ahead setting, for the scheduler and daemon paths",
+    )
+    p.add_argument(
+        "--no-cache-row",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also the daemon with its prefix cache off (it snapshots every prompt and every "
+        "finished request to host memory on the step thread; the scheduler row has none)",
     )
     p.add_argument("--out", type=Path, help="JSON path")
     return p.parse_args()
