@@ -38,7 +38,7 @@ from peers import Ours
 from scheduler_overhead import Bench, percentile
 
 from transport import loadgen, loadreport
-from transport.daemon import compiled_steps, compute_dtype, kv_dtype_for
+from transport.daemon import compiled_steps, compute_dtype, decode_ahead, kv_dtype_for
 from transport.daemon.demo import Supervised
 
 
@@ -62,7 +62,7 @@ def engine_rounds(path: Path, args: argparse.Namespace, vocab: int) -> dict[str,
 async def scheduler_rounds(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     dtype, kv = _dtypes(args)
     context = args.prompt + args.tokens + 8
-    ahead = args.decode_ahead == "on"
+    ahead = decode_ahead(args.decode_ahead)
     bench = Bench(path, dtype, args.n, context, compiled_steps(args.compile), kv, ahead)
     scheduler = bench.scheduler()
     ttft: list[float] = []
@@ -168,8 +168,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compile", default="auto", help="the daemon's compile setting, for all three")
     p.add_argument(
         "--decode-ahead",
-        default="off",
-        choices=["off", "on"],
+        default="auto",
+        choices=["auto", "off", "on"],
         help="the daemon's decode_ahead setting, for the scheduler and daemon paths",
     )
     p.add_argument(

@@ -11,7 +11,7 @@ import pytest
 from engine.gguf import QuantizedWeight
 from transport import cli
 from transport.config import KEYS, ConfigError, DaemonConfig, load
-from transport.daemon import build_scheduler, compiled_steps, compute_dtype
+from transport.daemon import build_scheduler, compiled_steps, compute_dtype, decode_ahead
 
 EXAMPLE = Path(__file__).parent.parent / "deploy" / "slotserve.toml"
 
@@ -42,7 +42,7 @@ def test_the_example_config_is_valid_and_says_what_it_means(model: Path) -> None
     assert config.log_file is None and config.pid_file is None and config.memory_budget is None
     assert config.metrics_host_port == ("127.0.0.1", 9464)
     assert (config.prefix_cache, config.prefix_cache_interval) == (1 << 30, 1024)
-    assert config.decode_ahead == "off"
+    assert config.decode_ahead == "auto"
 
 
 def test_sizes_lists_and_empty_strings_parse_from_the_environment(model: Path) -> None:
@@ -183,9 +183,11 @@ def test_dtype_and_compile_settings_reach_the_model_and_runner(model: Path) -> N
     try:  # "auto" follows the default device
         mx.set_default_device(mx.cpu)
         assert (compute_dtype("auto"), compiled_steps("auto")) == (mx.float32, False)
+        assert decode_ahead("auto") is False
         if mx.cuda.is_available() or mx.metal.is_available():
             mx.set_default_device(mx.gpu)
             assert (compute_dtype("auto"), compiled_steps("auto")) == (mx.bfloat16, True)
+            assert decode_ahead("auto") is True
     finally:
         mx.set_default_device(
             mx.gpu if mx.cuda.is_available() or mx.metal.is_available() else mx.cpu
@@ -201,15 +203,19 @@ def test_dtype_and_compile_settings_reach_the_model_and_runner(model: Path) -> N
 def test_decode_ahead_reaches_the_scheduler_and_is_checked(
     model: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """`decode_ahead`: off by default; "on" reaches the scheduler with speculation off, and
-    with speculation on (where it cannot run) it is off and the daemon says so; anything
-    else is refused naming the key."""
-    with pytest.raises(ConfigError, match=r"decode_ahead.*expected one of off, on"):
+    """`decode_ahead`: "auto" by default, on where MLX computes on a GPU;
+    "on" reaches the scheduler with speculation off, and with speculation on (where it cannot
+    run) it is off and the daemon says so — "auto" stays off there quietly; anything else is
+    refused naming the key."""
+    with pytest.raises(ConfigError, match=r"decode_ahead.*expected one of auto, off, on"):
         load(None, {"SLOTSERVE_DECODE_AHEAD": "yes"}, no_flags(model=str(model)))
+    gpu = mx.default_device() == mx.gpu
     for value, speculation, on in (
         ("off", "off", False),
         ("on", "off", True),
         ("on", "auto", False),
+        ("auto", "off", gpu),
+        ("auto", "auto", False),
     ):
         env = {"SLOTSERVE_DECODE_AHEAD": value, "SLOTSERVE_SPECULATION": speculation}
         env["SLOTSERVE_PREFIX_CACHE"] = ""

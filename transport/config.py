@@ -26,7 +26,7 @@ SPECULATION = ("off", "auto")
 WEIGHTS = ("stored", "dense")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPILE = ("auto", "off", "on")
-DECODE_AHEAD = ("off", "on")
+DECODE_AHEAD = ("auto", "off", "on")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
@@ -62,7 +62,9 @@ class DaemonConfig:
     weights: str = "stored"  # "stored": matrices as the file has them; "dense": dequantized
     dtype: str = "auto"  # compute dtype; "auto": bfloat16 on a GPU, float32 on the CPU
     compile: str = "auto"  # "on": mx.compile each recurring batch shape's step; "auto": on a GPU
-    decode_ahead: str = "off"  # "on": queue the next decode step before reading this one
+    decode_ahead: str = (
+        "auto"  # queue the next decode step before reading this one; "auto": on a GPU
+    )
 
     @property
     def max_draft(self) -> int:
@@ -228,7 +230,7 @@ KEYS = (
     Key(
         "decode_ahead",
         _choice(DECODE_AHEAD),
-        "queue the next decode step while the host reads this one: off or on",
+        "queue the next decode step while the host reads this one: auto (on a GPU), off or on",
     ),
 )
 _BY_NAME = {k.name: k for k in KEYS}
