@@ -527,6 +527,13 @@ def last_logits(outputs: Sequence[RowOutput]) -> mx.array:
     return mx.concatenate([o.logits[-1:] for o in outputs])
 
 
+def uniform_shapes(runner: ModelRunner) -> bool:
+    """Whether padding rows to one shape pays (`Speculator.uniform_verify`,
+    `MTPDrafter.uniform`): in a compiled runner on a GPU, where a step of a new shape costs
+    tens of ms and a few more tokens in a row almost nothing."""
+    return runner.compile and mx.default_device() == mx.gpu
+
+
 def shape_key(layout: Layout, outputs: int, past: int, taps: tuple[int, ...]) -> tuple[object, ...]:
     """What a trunk forward is compiled for: the batch's layout (rows, longest row, tokens,
     capture rows), the positions it returns, the past it reads, the layers it taps."""

@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cache import SlotId
-from engine.runner import ChainRow, DraftRow, ModelRunner
+from engine.runner import ChainRow, DraftRow, ModelRunner, uniform_shapes
 from engine.sampling import Shaping, adjust_logits, distribution, draw
 from engine.spec.dflash import DFlashModel, DFlashPool
 
@@ -223,10 +223,11 @@ class MTPDrafter(Drafter):
         self.runner = runner
         self.max_backlog = max_backlog
         self.on_device = on_device
-        # uniform catch-ups (default: in a compiled runner): every row of a catch-up call as
-        # long as the longest, filler rolled back — one compiled shape per width, where the
-        # slots' ragged backlogs (what each accepted) made a new one nearly every step
-        self.uniform = runner.compile if uniform is None else uniform
+        # uniform catch-ups (default: a compiled runner on a GPU): every row of a catch-up
+        # call as long as the longest, filler rolled back — one compiled shape per width,
+        # where the slots' ragged backlogs (what each accepted) made a new one nearly every
+        # step
+        self.uniform = uniform_shapes(runner) if uniform is None else uniform
         self._tails: dict[SlotId, _Tail] = {}
 
     def available(self, d: DecodingSlot, length: int) -> int:
