@@ -131,13 +131,15 @@ class StepOutput:
 @dataclass
 class PendingStep:
     """A decode step queued on the device and not in the pool (`ModelRunner.launch`): one
-    token per row of `slots` at `starts`; `logits [N, V]` and the rows' new state (as
-    `SlotPool.stack_states` makes it) are lazy until read."""
+    token per row of `slots` at `starts`; `logits [N, V]`, the final hidden states `[N, E]`
+    (when asked for) and the rows' new state (as `SlotPool.stack_states` makes it) are lazy
+    until read."""
 
     slots: list[SlotId]
     starts: list[int]
     logits: mx.array
     new: list[mx.array]
+    hidden: mx.array | None = None
 
 
 class ModelRunner:
@@ -237,11 +239,15 @@ class ModelRunner:
             at += n
         return out
 
-    def launch(self, slots: Sequence[SlotId], tokens: mx.array) -> PendingStep:
+    def launch(
+        self, slots: Sequence[SlotId], tokens: mx.array, want_hidden: bool = False
+    ) -> PendingStep:
         """Queue a decode step — `tokens [N]` (a device array: say, the last step's argmax)
         at each slot's length — without touching the pool: `adopt` writes it, for all or
         some of its rows, once the caller knows it wants them; dropped, it changed nothing.
-        A step planned on tokens the host has not read yet (the scheduler's decode-ahead)."""
+        A step planned on tokens the host has not read yet (the scheduler's decode-ahead).
+        `want_hidden`: the rows' outputs carry their final hidden states (drafters follow
+        the trunk on them)."""
         t0 = time.perf_counter()
         slots = self._validate(list(slots))
         starts = [self.pool.lengths[s] for s in slots]
@@ -253,10 +259,11 @@ class ModelRunner:
         past = self.past_for(max(starts))
         fn = self._forward_fn(shape_key(layout, n, past, ()), layout, ())
         inputs = [tokens.astype(mx.int32), mx.arange(n, dtype=mx.int32), *layout.arrays()]
-        logits, _, new, _, _ = fn(inputs, self.pool.read(slots, past))
+        logits, hidden, new, _, _ = fn(inputs, self.pool.read(slots, past))
         self.last_host_s, self.last_tokens = time.perf_counter() - t0, n
-        mx.async_eval(logits, new)
-        return PendingStep(slots, starts, logits, new)
+        kept = hidden if want_hidden else None
+        mx.async_eval(logits, new, *([] if kept is None else [kept]))
+        return PendingStep(slots, starts, logits, new, kept)
 
     def adopt(self, pending: PendingStep, keep: Sequence[int]) -> StepOutput:
         """Write the rows `keep` (indices into `pending`'s, in the order wanted) of a
@@ -273,16 +280,17 @@ class ModelRunner:
                 f"slots {moved} moved since the step was launched" if moved else "no rows kept"
             )
         self.pool.check_rows(slots, starts, [1] * len(slots), [False] * len(slots))
-        new, logits = pending.new, pending.logits
+        new, logits, hidden = pending.new, pending.logits, pending.hidden
         if list(keep) != list(range(len(pending.slots))):  # rows are tokens: one index serves
             at = mx.array(list(keep), dtype=mx.int32)
             new = [a[:, at] for a in new]
             logits = logits[at]
+            hidden = None if hidden is None else hidden[at]
         tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, [1] * len(slots))
         self.pool.write(slots, tok_slot, tok_pos, new)
         mx.async_eval(self.pool.k, self.pool.v, self.pool.conv, self.pool.ssm)
         self.pool.commit(slots, starts, [1] * len(slots), [None] * len(self.model.layers))
-        return StepOutput([RowOutput(packed=(logits, None, i, 1)) for i in range(len(slots))])
+        return StepOutput([RowOutput(packed=(logits, hidden, i, 1)) for i in range(len(slots))])
 
     def past_for(self, start: int) -> int:
         """How much past K/V a step whose latest row starts at `start` reads: `start` rounded

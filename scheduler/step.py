@@ -21,7 +21,8 @@ fault) fails its own request; the slot is reset when it is next allocated. Eithe
 way the step returns normally and the loop goes on.
 
 Decode-ahead (`SchedulerConfig.decode_ahead`): after a step of plain decode rows of
-requests without penalties or bias, the next step is queued on the device
+requests without penalties or bias (beside drafters: a step in which none drafted; the
+queued rows keep the hidden states the MTP head follows), the next step is queued on the device
 (`ModelRunner.launch`, on this step's tokens drawn there as the resolve will draw them:
 argmax, or the request's next uniform, peeked; nothing written) before this one is checked
 and resolved; the next `run`
@@ -183,9 +184,12 @@ class Stepper:
         # Decode-ahead: after a step of plain decode rows, the next one is queued on the
         # device (on this step's tokens, drawn there, not yet read) while the host resolves
         # this one and the loop plans the next; that plan takes the queued rows it matches
-        # exactly, the pool untouched until then (see `_adopted`). Not beside a drafter: its
-        # rows are not plain decode rows.
-        self.decode_ahead = decode_ahead and not speculator.max_draft and not speculator.drafters
+        # exactly, the pool untouched until then (see `_adopted`). Beside drafters too: after
+        # a step in which no slot drafted (the cost controller found drafting does not pay,
+        # or nothing matched), the next is queued as plain decode, with the hidden states the
+        # MTP head follows the trunk on; if the next plan drafts after all, the queued step
+        # is dropped. Not beside a drafter conditioned on trunk layers (DFlash's taps).
+        self.decode_ahead = decode_ahead and not speculator.layers
         self._ahead: Ahead | None = None
         # this step's tokens, drawn on the device before the next step was queued behind it
         # (`_launch_ahead`), for the resolve to read: (the rows' outputs, by identity; tokens)
@@ -239,8 +243,8 @@ class Stepper:
             return
         t1 = time.perf_counter()
         launch = (
-            partial(self._launch_ahead, decoding, states)
-            if self.decode_ahead and not chunks
+            partial(self._launch_ahead, decoding, states, any(map(_wants_hidden, rows)))
+            if self.decode_ahead and not chunks and all(map(_plain_row, rows))
             else None
         )
         base = len(chunks)
@@ -335,11 +339,8 @@ class Stepper:
             i = at.get(id(seq))
             if (
                 i is None
-                or len(row.tokens) != 1
-                or row.capture
-                or row.want is not None
-                or row.want_hidden
-                or row.taps
+                or not _plain_row(row)
+                or (row.want_hidden and ahead.pending.hidden is None)
                 or row.slot != ahead.pending.slots[i]
                 or row.start != ahead.pending.starts[i]
                 or int(row.tokens[0]) != fed[i]
@@ -355,6 +356,7 @@ class Stepper:
         self,
         seqs: list[Seq],
         states: list[DecodingSlot],
+        want_hidden: bool,
         rows: list[RowOutput],
         checks: Sequence[mx.array] = (),
     ) -> None:
@@ -362,6 +364,7 @@ class Stepper:
         resolve would draw them (argmax, or each sampled row's next uniform, peeked), when
         every row is a plain decode row of a request without penalties or bias; the rows of
         requests that end with this step's token, or whose context is full, are left out.
+        `want_hidden`: the queued rows keep their hidden states (a drafter follows them).
 
         What the host reads of this step — the tokens (`_drawn`, which the resolve reads
         instead of drawing again) and `checks` (the finiteness sums) — is evaluated on its
@@ -385,7 +388,7 @@ class Stepper:
         mx.async_eval(drawn, fed, *checks)
         self._drawn = (list(map(id, rows)), drawn)
         try:
-            pending = self.runner.launch([states[i].slot for i in go], fed)
+            pending = self.runner.launch([states[i].slot for i in go], fed, want_hidden)
         except UNCHANGED:
             return
         self._ahead = Ahead([seqs[i] for i in go], fed, pending)
@@ -593,7 +596,19 @@ class FiniteCheck:
         return out
 
 
+def _plain_row(row: Row) -> bool:
+    """A plain decode row: one token, its logits, no capture, no trunk layers tapped."""
+    want = row.want
+    return (
+        len(row.tokens) == 1
+        and not row.capture
+        and not row.taps
+        and (want is None or (len(want) == 1 and want[0] == 0))
+    )
+
+
 _packed_of, _tokens_of = attrgetter("packed"), attrgetter("tokens")
+_wants_hidden = attrgetter("want_hidden")
 _first, _second, _decoding_of = itemgetter(0), itemgetter(1), attrgetter("decoding")
 
 

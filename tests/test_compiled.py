@@ -206,8 +206,9 @@ def test_a_launched_step_changes_nothing_until_adopted_and_then_only_its_kept_ro
     model: Model,
 ) -> None:
     """`launch` queues a decode step without touching the pool; `adopt` writes the rows kept
-    (in the order asked) exactly as a step of those rows alone would, and leaves the
-    others' slots as they were. A slot that moved since the launch is refused."""
+    (in the order asked) exactly as a step of those rows alone would — their logits and, when
+    asked for, hidden states — and leaves the others' slots as they were. A slot that moved
+    since the launch is refused."""
     prompts = [[3, 1, 4], [1, 5, 9, 2], [6, 5]]
     pools = [SlotPool(model.config, 3, 32, mx.float32) for _ in range(2)]
     runners = [ModelRunner(model, pool) for pool in pools]
@@ -217,13 +218,17 @@ def test_a_launched_step_changes_nothing_until_adopted_and_then_only_its_kept_ro
     tokens = [7, 8, 9]
     runner, pool, ss = runners[0], pools[0], slots[0]
     before = [pool.snapshot(s) for s in ss]
-    pending = runner.launch(ss, mx.array(tokens))
+    pending = runner.launch(ss, mx.array(tokens), want_hidden=True)
     mx.eval(pending.logits)
     assert all(snapshots_equal(b, pool.snapshot(s)) for b, s in zip(before, ss, strict=True))
     out = runner.adopt(pending, [2, 0])  # rows 2 and 0, in that order; row 1 dropped
-    want = runners[1].step([Row(slots[1][2], [9], 2), Row(slots[1][0], [7], 3)])
+    want = runners[1].step(
+        [Row(slots[1][2], [9], 2, want_hidden=True), Row(slots[1][0], [7], 3, want_hidden=True)]
+    )
     for got, ref in zip(out.rows, want.rows, strict=True):
         assert _close(got.logits, ref.logits)
+        assert got.hidden is not None and ref.hidden is not None  # (what a drafter follows)
+        assert _close(got.hidden, ref.hidden)
     for a, b in [(ss[0], slots[1][0]), (ss[2], slots[1][2])]:
         assert snapshots_equal(pool.snapshot(a), pools[1].snapshot(b), atol=1e-6)
     assert snapshots_equal(before[1], pool.snapshot(ss[1]))

@@ -201,24 +201,27 @@ def test_dtype_and_compile_settings_reach_the_model_and_runner(model: Path) -> N
 
 
 def test_decode_ahead_reaches_the_scheduler_and_is_checked(
-    model: Path, caplog: pytest.LogCaptureFixture
+    model: Path, make_dflash: Callable[..., Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """`decode_ahead`: "auto" by default, on where MLX computes on a GPU;
-    "on" reaches the scheduler with speculation off, and with speculation on (where it cannot
-    run) it is off and the daemon says so — "auto" stays off there quietly; anything else is
-    refused naming the key."""
+    """`decode_ahead`: "auto" by default, on where MLX computes on a GPU; "on" reaches the
+    scheduler with speculation off or on (beside the n-gram and MTP drafters); beside a
+    DFlash drafter, conditioned on trunk layers a queued step does not return, it is off,
+    and "on" says so; anything else is refused naming the key."""
     with pytest.raises(ConfigError, match=r"decode_ahead.*expected one of auto, off, on"):
         load(None, {"SLOTSERVE_DECODE_AHEAD": "yes"}, no_flags(model=str(model)))
     gpu = mx.default_device() == mx.gpu
-    for value, speculation, on in (
-        ("off", "off", False),
-        ("on", "off", True),
-        ("on", "auto", False),
-        ("auto", "off", gpu),
-        ("auto", "auto", False),
+    drafter = str(make_dflash("tiny"))
+    for value, speculation, dflash, on in (
+        ("off", "off", "", False),
+        ("on", "off", "", True),
+        ("on", "auto", "", True),
+        ("auto", "off", "", gpu),
+        ("auto", "auto", "", gpu),
+        ("on", "auto", drafter, False),
+        ("auto", "auto", drafter, False),
     ):
         env = {"SLOTSERVE_DECODE_AHEAD": value, "SLOTSERVE_SPECULATION": speculation}
-        env["SLOTSERVE_PREFIX_CACHE"] = ""
+        env |= {"SLOTSERVE_PREFIX_CACHE": "", "SLOTSERVE_DFLASH": dflash}
         caplog.clear()
         scheduler, _ = build_scheduler(load(None, env, no_flags(model=str(model), slots="1")))
         assert scheduler.decode_ahead is on

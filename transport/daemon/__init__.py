@@ -125,7 +125,7 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
     speculator = None if config.dflash is None else _dflash_speculator(runner, config.dflash)
     scheduler = s.Scheduler(runner, tokenizer, sched_config, speculator)
     if config.decode_ahead == "on" and not scheduler.decode_ahead:
-        log.warning("decode_ahead is on but does nothing with speculation on: set speculation off")
+        log.warning("decode_ahead is on but does nothing beside a DFlash drafter")
     return scheduler, ModelInfo.of(scheduler, config.model_name or path.stem)
 
 
@@ -157,7 +157,7 @@ def decode_ahead(setting: str) -> bool:
     step at small N is bound by the host's launches (H200, the bare engine queueing each step
     on the last one's tokens: 1.09-1.29x the tokens/s at N = 1, 8, 32 on the 0.8B shape,
     1.14-1.27x on the 9B), and off on the CPU, where the step's compute leaves nothing to
-    hide. With speculation on it does nothing either way (the scheduler turns it off)."""
+    hide."""
     if setting == "auto":
         return mx.default_device() == mx.gpu
     return setting == "on"
