@@ -51,9 +51,10 @@ from scheduler.request import (
     Speculation,
     UnknownTokenId,
 )
-from scheduler.stats import SchedulerStats, StepTimes
+from scheduler.stats import AheadStats, SchedulerStats, StepTimes
 
 __all__ = [
+    "AheadStats",
     "Completion",
     "Delta",
     "DuplicateRequestId",

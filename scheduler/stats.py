@@ -24,6 +24,18 @@ class StepTimes:
 
 
 @dataclass(frozen=True)
+class AheadStats:
+    """Decode-ahead (`SchedulerConfig.decode_ahead`): steps queued ahead that a plan took
+    (`taken`; of them `beside_prefill` while new prompts' chunks ran in a forward of their
+    own) and that it dropped (a wasted device step each: the plan drafted, a request ended
+    or was cancelled, ...)."""
+
+    taken: int = 0
+    dropped: int = 0
+    beside_prefill: int = 0
+
+
+@dataclass(frozen=True)
 class SchedulerStats:
     waiting: int
     running: int
@@ -37,6 +49,7 @@ class SchedulerStats:
     generated_tokens: int  # tokens delivered to requests (in Deltas)
     times: StepTimes = field(default_factory=StepTimes)
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    decode_ahead: AheadStats = field(default_factory=AheadStats)
 
 
 @dataclass

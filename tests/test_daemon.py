@@ -178,6 +178,7 @@ def test_the_metrics_endpoint_counts_the_traffic(model: Path, tmp_path: Path) ->
     assert moved("slotserve_itl_seconds_count") == 3 * 7
     assert moved("slotserve_step_seconds_count") >= 8
     assert moved("slotserve_prefix_cache_lookups_total") == 3  # on by default; prompts too short
+    assert moved("slotserve_decode_ahead_taken_total") == 0  # decode_ahead auto: off on a CPU
     assert after["slotserve_prefix_cache_budget_bytes"] == 1 << 30
     depth_steps = [k for k in after if k.startswith("slotserve_spec_depth_steps_total")]
     # 7 decode tokens each; a step that accepts drafts commits more than one of them

@@ -247,6 +247,12 @@ async def test_decode_ahead_serves_what_plain_steps_serve(
     results = await staggered(scheduler, requests, 0.01)
     stepper = scheduler._stepper
     assert stepper.ahead_adopted > 10 and stepper.ahead_beside_prefill > 0
+    counted = scheduler.stats().decode_ahead  # (what the daemon's metrics export)
+    assert (counted.taken, counted.dropped, counted.beside_prefill) == (
+        stepper.ahead_adopted,
+        stepper.ahead_dropped,
+        stepper.ahead_beside_prefill,
+    )
     for request in requests:
         got = results[request.request_id or ""]
         same_output(got, await alone(new, request))

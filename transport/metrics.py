@@ -84,6 +84,12 @@ class _SnapshotCollector(Collector):
             (CounterMetricFamily, "evictions", "Snapshots evicted", pc.evictions),
         ):
             yield family(f"{PREFIX}_prefix_cache_{name}", text, value)
+        ahead = st.decode_ahead
+        for name, text, value in (
+            ("taken", "Decode steps queued ahead and taken", ahead.taken),
+            ("dropped", "Decode steps queued ahead and dropped (wasted)", ahead.dropped),
+        ):
+            yield CounterMetricFamily(f"{PREFIX}_decode_ahead_{name}", text, value)
         t = st.times
         yield SummaryMetricFamily(
             f"{PREFIX}_step_seconds", "Wall time per batched step", t.steps, t.wall_s
