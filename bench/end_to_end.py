@@ -25,8 +25,10 @@ Prints a table; writes out/bench/end_to_end.json.
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -84,12 +86,13 @@ async def scheduler_rounds(path: Path, args: argparse.Namespace) -> dict[str, An
 def daemon_rounds(
     path: Path, args: argparse.Namespace, tmp: Path, prefix_cache: bool = True
 ) -> dict[str, Any]:
-    endpoint = f"ipc://{tmp}/end_to_end.sock"
+    endpoint, port = f"ipc://{tmp}/end_to_end.sock", _free_port()
     serve = ["--model", str(path), "--endpoints", endpoint, "--slots", str(args.n)]
     if not prefix_cache:
         serve += ["--prefix-cache", ""]
     serve += ["--context", str(args.prompt + args.tokens + 8), "--speculation", "off"]
-    serve += ["--metrics-address", "", "--blas", args.blas, "--log-level", "warning"]
+    serve += ["--metrics-address", f"127.0.0.1:{port}", "--blas", args.blas]
+    serve += ["--log-level", "warning"]
     serve += ["--dtype", args.dtype, "--compile", args.compile, "--decode-ahead", args.decode_ahead]
 
     def config(requests: int) -> loadgen.LoadConfig:
@@ -101,10 +104,46 @@ def daemon_rounds(
     timed = config(args.n * args.rounds)
     with Supervised(serve, endpoint):
         load(config(args.n))  # warm-up round
+        before = _scrape(port)
         records = load(timed)
+        time.sleep(0.6)  # the daemon's metrics snapshot its scheduler every 0.5 s
+        after = _scrape(port)
     s = loadreport.summarize(timed, records)
     ttft = [t for r in records if (t := r.ttft) is not None]
-    return {"tokens": s.output_tokens, "wall_s": s.wall_s, "ttft_s": ttft, "errors": s.errors}
+    steps = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in DAEMON_COUNTERS}
+    return {
+        "tokens": s.output_tokens,
+        "wall_s": s.wall_s,
+        "ttft_s": ttft,
+        "errors": s.errors,
+        "daemon_counters": steps,
+    }
+
+
+# The daemon's own account of the timed rounds (its metrics, after minus before): how many
+# steps, their wall time and the part inside the forward, and decode-ahead's steps.
+DAEMON_COUNTERS = (
+    "slotserve_step_seconds_count",
+    "slotserve_step_seconds_sum",
+    "slotserve_forward_seconds_sum",
+    "slotserve_host_overhead_seconds_sum",
+    "slotserve_decode_ahead_taken_total",
+    "slotserve_decode_ahead_dropped_total",
+)
+
+
+def _scrape(port: int) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _dtypes(args: argparse.Namespace) -> tuple[mx.Dtype, mx.Dtype]:
@@ -151,6 +190,17 @@ def main() -> None:
     )
     header = ["path", "tokens", "tok/s", "/ engine", "TTFT p50 ms", "TTFT p95 ms"]
     print(harness.markdown_table(header, table))
+    for name, r in rows.items():
+        c = r.get("daemon_counters")
+        if c and c["slotserve_step_seconds_count"]:
+            n = c["slotserve_step_seconds_count"]
+            print(
+                f"{name}: {n:.0f} steps of {1e3 * c['slotserve_step_seconds_sum'] / n:.2f} ms "
+                f"(forward {1e3 * c['slotserve_forward_seconds_sum'] / n:.2f}, host "
+                f"{1e3 * c['slotserve_host_overhead_seconds_sum'] / n:.2f}); decode-ahead "
+                f"taken {c['slotserve_decode_ahead_taken_total']:.0f}, dropped "
+                f"{c['slotserve_decode_ahead_dropped_total']:.0f}"
+            )
     print(f"\n{harness.write_json('end_to_end', record, args.out)}")
 
 
