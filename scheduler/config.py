@@ -20,7 +20,7 @@ class SchedulerConfig:
     may go on after shutdown begins. `fault_hook`: test-only (see `scheduler.step`).
     `prefix_cache`: exact reuse of cached prompt prefixes (None: off; see
     `scheduler.prefix_reuse`). `decode_ahead`: while the host resolves a step of plain
-    decode rows (no penalties or bias; beside drafters, a step in which none drafted), the
+    decode rows (beside drafters, a step in which none drafted), the
     next is already computing on the device (`scheduler.step`; the same tokens either way;
     the daemon turns it on on a GPU).
     """

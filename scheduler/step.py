@@ -20,14 +20,14 @@ all its requests fail. A row whose logits are not finite (NaN or inf: a numerica
 fault) fails its own request; the slot is reset when it is next allocated. Either
 way the step returns normally and the loop goes on.
 
-Decode-ahead (`SchedulerConfig.decode_ahead`): after a step of plain decode rows of
-requests without penalties or bias (beside drafters: a step in which none drafted; the
-queued rows keep the hidden states the MTP head follows), the next step is queued on the device
-(`ModelRunner.launch`, on this step's tokens drawn there as the resolve will draw them:
-argmax, or the request's next uniform, peeked; nothing written) before this one is checked
-and resolved; the next `run`
-takes the queued rows its plan matches exactly (`ModelRunner.adopt`) and drops the rest.
-Faults in taken rows end their requests as in a forward of their own.
+Decode-ahead (`SchedulerConfig.decode_ahead`): after a step of plain decode rows (beside
+drafters: a step in which none drafted; the queued rows keep the hidden states the MTP head
+follows), the next step is queued on the device (`ModelRunner.launch`, on this step's
+tokens drawn there as the resolve will read them — `Speculator.draw_ahead`: penalties and
+bias over each history, then the argmax or the request's next uniform, peeked; nothing
+written) before this one is checked and resolved; the next `run` takes the queued rows its
+plan matches exactly (`ModelRunner.adopt`) and drops the rest. Faults in taken rows end
+their requests as in a forward of their own.
 """
 
 from __future__ import annotations
@@ -43,12 +43,13 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cache import PoolError, SlotId
-from engine.runner import BatchError, ModelRunner, PendingStep, Row, RowOutput, last_logits
-from engine.sampling import device_tokens, on_host, top_logprobs
+from engine.runner import BatchError, ModelRunner, PendingStep, Row, RowOutput
+from engine.sampling import on_host, top_logprobs
 from engine.spec.controller import CostController
 from engine.spec.speculator import (
     Committed,
     DecodingSlot,
+    Drawn,
     PlainStep,
     SpecStats,
     Speculator,
@@ -192,8 +193,8 @@ class Stepper:
         self.decode_ahead = decode_ahead and not speculator.layers
         self._ahead: Ahead | None = None
         # this step's tokens, drawn on the device before the next step was queued behind it
-        # (`_launch_ahead`), for the resolve to read: (the rows' outputs, by identity; tokens)
-        self._drawn: tuple[list[int], mx.array] | None = None
+        # (`_launch_ahead`), for the resolve to read: (the rows' outputs, by identity; them)
+        self._drawn: tuple[list[int], Drawn] | None = None
         self.ahead_adopted = 0  # decode-ahead steps taken (in part or whole) / dropped
         self.ahead_dropped = 0
         self.ahead_beside_prefill = 0  # taken while new prompts' chunks ran on their own
@@ -361,9 +362,10 @@ class Stepper:
         checks: Sequence[mx.array] = (),
     ) -> None:
         """Queue the next decode step on this step's tokens, drawn on the device as the
-        resolve would draw them (argmax, or each sampled row's next uniform, peeked), when
-        every row is a plain decode row of a request without penalties or bias; the rows of
-        requests that end with this step's token, or whose context is full, are left out.
+        resolve would draw them (`Speculator.draw_ahead`: penalties and bias over each
+        request's history, then the argmax or the request's next uniform, peeked), when every
+        row is a plain decode row; the rows of requests that end with this step's token, or
+        whose context is full, are left out.
         `want_hidden`: the queued rows keep their hidden states (a drafter follows them).
 
         What the host reads of this step — the tokens (`_drawn`, which the resolve reads
@@ -371,7 +373,7 @@ class Stepper:
         own before the next step is queued: computed after, on the one stream, it would be
         ready only once the next step is done, and the host would wait for the step it
         queued to hide."""
-        if len(rows) != len(states) or not all(d.params.unadjusted for d in states):
+        if len(rows) != len(states):
             return
         pool = self.runner.pool
         go = [
@@ -381,11 +383,11 @@ class Stepper:
         ]
         if not go:
             return
-        params = [d.params for d in states]
-        uniforms = [d.rng.peek() for d in states if not d.params.greedy]
-        drawn = device_tokens(last_logits(rows), params, uniforms)
-        fed = drawn if len(go) == len(rows) else drawn[mx.array(go, dtype=mx.int32)]
-        mx.async_eval(drawn, fed, *checks)
+        drawn = self.speculator.draw_ahead(states, rows)
+        tokens = drawn.tokens
+        fed = tokens if len(go) == len(rows) else tokens[mx.array(go, dtype=mx.int32)]
+        read = [drawn.adjusted] if any(d.params.logprobs for d in states) else []
+        mx.async_eval(tokens, fed, *checks, *read)
         self._drawn = (list(map(id, rows)), drawn)
         try:
             pending = self.runner.launch([states[i].slot for i in go], fed, want_hidden)

@@ -324,29 +324,42 @@ async def test_decode_ahead_beside_drafters_serves_what_plain_steps_serve(
         same_output(results[request.request_id or ""], await alone(new, request))
 
 
-async def test_decode_ahead_waits_out_steps_it_cannot_predict(
+async def test_decode_ahead_applies_penalties_and_bias_as_the_host_does(
     new: Callable[..., Scheduler],
 ) -> None:
-    """Requests with penalties or a logit bias (their tokens depend on the host's view of
-    the history), speculating or not: no step is queued ahead, and outputs are as ever."""
+    """Requests with repetition, presence and frequency penalties or a logit bias (with
+    log-probabilities), greedy and sampled, beside drafters or not: the queued step's tokens are
+    drawn on the device from logits adjusted over each request's history as the host adjusts
+    them, so steps are taken and every request streams what it streams on its own."""
     rng = random.Random(4)
     adjusted = [
         SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.5),
         SamplingParams(temperature=0.0, logit_bias=((7, 5.0),), logprobs=3),
+        SamplingParams(temperature=0.9, frequency_penalty=0.7, seed=11),
     ]
     requests = [
-        Request(prompt=prompt(rng, 10), sampling=adjusted[i % 2], max_tokens=12, ignore_eos=True)
-        for i in range(4)
+        Request(
+            prompt=prompt(rng, 10),
+            sampling=adjusted[i % len(adjusted)],
+            max_tokens=12,
+            ignore_eos=True,
+            # (a sampled request's tokens depend on the drafts it verified: not speculating,
+            # it streams what it streams alone in a plain run, beside speculating ones)
+            speculation=Speculation.OFF if i % len(adjusted) == 2 else Speculation.AUTO,
+            request_id=f"p{i}",
+        )
+        for i in range(6)
     ]
     for speculate in (False, True):
-        batch = requests
         scheduler = new(n_slots=4, speculate=speculate, decode_ahead=True)
         async with scheduler.running():
-            handles = [scheduler.submit(r) for r in batch]
+            handles = [scheduler.submit(r) for r in requests]
             got = [completion(await events_of(h)) for h in handles]
-        assert scheduler._stepper.ahead_adopted == scheduler._stepper.ahead_dropped == 0
-        for request, out in zip(batch, got, strict=True):
+        assert scheduler._stepper.ahead_adopted > 0
+        for request, out in zip(requests, got, strict=True):
             same_output(out, await alone(new, request))
+            if request.sampling.logprobs:
+                assert out.logprobs == (await alone(new, request)).logprobs
 
 
 async def test_decode_ahead_keeps_finished_snapshots_and_cancels_exact(

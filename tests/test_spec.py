@@ -22,7 +22,14 @@ from engine.runner import DraftRow, ModelRunner, Row, RowOutput
 from engine.sampling import RequestRng, SamplingParams
 from engine.spec.drafters import Drafter, MTPDrafter, NgramDrafter
 from engine.spec.offline import GREEDY, Request, generate
-from engine.spec.speculator import DecodingSlot, PlainStep, SpecError, Speculator, sample_rows
+from engine.spec.speculator import (
+    DecodingSlot,
+    Drawn,
+    PlainStep,
+    SpecError,
+    Speculator,
+    sample_rows,
+)
 
 K = 4
 N_GEN = 24
@@ -406,41 +413,54 @@ def test_a_plain_step_samples_every_row_as_sample_rows_does(
     assert {(c.drafted, c.accepted, c.drafter) for c in committed} == {(0, 0, "")}
 
 
-def test_tokens_drawn_ahead_are_read_and_use_up_the_uniforms_drawing_would(model: Model) -> None:
-    """`resolve_step(..., drawn)` (decode-ahead drew the step's tokens on the device before
-    queueing the next step) commits exactly those tokens — here deliberately not the ones
-    drawing would give, to see that they are read, not drawn again — and leaves each
-    sampled request's generator where drawing would: its next draw is the same."""
-    mix = [
-        GREEDY,
-        SamplingParams(temperature=0.9, top_k=30),
-        SamplingParams(temperature=1.2, logprobs=2),
-    ]
+@pytest.mark.parametrize("mix", PLAIN_MIXES.values(), ids=PLAIN_MIXES.keys())
+def test_tokens_drawn_ahead_are_the_ones_the_resolve_draws(
+    model: Model, mix: list[SamplingParams]
+) -> None:
+    """`draw_ahead` (decode-ahead draws a step's tokens on the device before it queues the
+    next step) gives per row the token `sample_rows` gives — penalties over the row's
+    history, logit bias, its own generator's next uniform — without using that uniform up;
+    `resolve_step(..., drawn)` then commits those tokens, the adjusted logits of the rows
+    that want log-probabilities, and leaves every generator where drawing leaves it."""
     spec, chosen = plain_speculator(model, len(mix)), prompts(len(mix), 4)
     runner = spec.runner
     runner.step([Row(SlotId(i), p[:-1], 0) for i, p in enumerate(chosen)])
+    histories = [[*p, *(t for t in range(512) for _ in range(t % 5))] for p in chosen]
     states = [
-        DecodingSlot(SlotId(i), p[-1], list(p), params, RequestRng(70 + i))
-        for i, (p, params) in enumerate(zip(chosen, mix, strict=True))
+        DecodingSlot(SlotId(i), p[-1], h, params, RequestRng(70 + i))
+        for i, (p, h, params) in enumerate(zip(chosen, histories, mix, strict=True))
     ]
     outputs = runner.step(spec.plan(states)).rows
-    drawn = mx.array([3, 1, 4], dtype=mx.int32)
+    drawn = spec.draw_ahead(states, outputs)
+    twins = [RequestRng(70 + i) for i in range(len(mix))]
+    logits = mx.concatenate([o.logits[-1:] for o in outputs])
+    tokens, adjusted = sample_rows(logits, mix, histories, twins)
+    assert drawn.tokens.tolist() == tokens
     resolved = spec.resolve_step(states, outputs, drawn)
 
-    assert isinstance(resolved, PlainStep) and resolved.tokens == [3, 1, 4]
-    assert mx.array_equal(resolved.adjusted, mx.concatenate([o.logits[-1:] for o in outputs]))
-    twins = [RequestRng(70 + i) for i in range(len(mix))]
-    for twin, params in zip(twins, mix, strict=True):
-        if not params.greedy:
-            twin.uniform(1)
+    assert isinstance(resolved, PlainStep) and resolved.tokens == tokens
+    for i in resolved.logprob_rows:
+        assert mx.allclose(resolved.adjusted[i], adjusted[i]).item()
     assert [s.rng.uniform(1).tolist() for s in states] == [t.uniform(1).tolist() for t in twins]
 
-    # drawn ahead for a request with a penalty (the device draw knows no history): refused
-    penalized = [SamplingParams(temperature=0.0, frequency_penalty=1.0)]
-    state = DecodingSlot(SlotId(0), 5, [1, 5], penalized[0], RequestRng(0))
-    out = runner.step(spec.plan([state])).rows
-    with pytest.raises(SpecError, match="penalties or a logit bias"):
-        spec.resolve_step([state], out, mx.array([2], dtype=mx.int32))
+
+def test_tokens_drawn_ahead_are_read_not_drawn_again(model: Model) -> None:
+    """`resolve_step(..., drawn)` commits the tokens it is given — here deliberately not the
+    ones drawing would give — and still uses up each sampled row's uniform."""
+    mix = [GREEDY, SamplingParams(temperature=0.9, top_k=30)]
+    spec, chosen = plain_speculator(model, len(mix)), prompts(len(mix), 4)
+    spec.runner.step([Row(SlotId(i), p[:-1], 0) for i, p in enumerate(chosen)])
+    states = [
+        DecodingSlot(SlotId(i), p[-1], list(p), params, RequestRng(80 + i))
+        for i, (p, params) in enumerate(zip(chosen, mix, strict=True))
+    ]
+    outputs = spec.runner.step(spec.plan(states)).rows
+    logits = mx.concatenate([o.logits[-1:] for o in outputs])
+    resolved = spec.resolve_step(states, outputs, Drawn(mx.array([3, 1]), logits))
+    assert isinstance(resolved, PlainStep) and resolved.tokens == [3, 1]
+    twin = RequestRng(81)
+    twin.uniform(1)
+    assert states[1].rng.uniform(1).tolist() == twin.uniform(1).tolist()
 
 
 def test_resolving_a_slot_that_was_not_planned_changes_nothing(model: Model) -> None:

@@ -39,6 +39,7 @@ from engine.sampling import (
     RequestRng,
     SamplingParams,
     adjust_logits,
+    device_tokens,
     distribution,
     greedy_tokens,
     sample,
@@ -80,6 +81,14 @@ class DecodingSlot:
     speculation: str = "auto"  # "off" | "on" | "auto"
     max_draft: int | None = None
     remaining: int | None = None
+
+
+class Drawn(NamedTuple):
+    """A step's tokens drawn on the device ahead of its resolve (`Speculator.draw_ahead`):
+    `tokens [N]`, lazy, and the adjusted logits `[N, V]` they were drawn from."""
+
+    tokens: mx.array
+    adjusted: mx.array
 
 
 class PlainStep(NamedTuple):
@@ -362,20 +371,30 @@ class Speculator:
         resolved = self.resolve_step(decoding, outputs)
         return resolved.committed() if isinstance(resolved, PlainStep) else resolved
 
+    def draw_ahead(self, decoding: Sequence[DecodingSlot], outputs: Sequence[RowOutput]) -> Drawn:
+        """The tokens `resolve_step` would draw for a step without drafts, drawn on the
+        device from these outputs (lazy): each row's logits adjusted for its penalties and
+        bias over its history, each sampled row drawn with its request's next uniform, peeked
+        — left in its stream until `resolve_step(drawn=)` uses it up. (The scheduler draws
+        a step's tokens so before it queues the next step behind it: drawn after, on the one
+        stream, they would wait for that step.)"""
+        params = list(map(_params_of, decoding))
+        adjusted = adjust_logits(last_logits(outputs), params, [d.history for d in decoding])
+        uniforms = [d.rng.peek() for d in decoding if not d.params.greedy]
+        return Drawn(device_tokens(adjusted, params, uniforms), adjusted)
+
     def resolve_step(
         self,
         decoding: Sequence[DecodingSlot],
         outputs: Sequence[RowOutput],
-        drawn: mx.array | None = None,
+        drawn: Drawn | None = None,
     ) -> PlainStep | list[Committed]:
         """`resolve`, but a step in which no slot drafted comes back as a `PlainStep`: its
         tokens in one list, with no object per slot (the scheduler's common step).
 
-        `drawn [N]`: the step's tokens, already drawn on the device by `device_tokens` from
-        these outputs' logits (each sampled row on its request's next uniform, peeked) for a
-        step with no drafts and no penalty or bias; they are read instead of drawn again, and
-        each sampled row's uniform is used up as drawing would. (The scheduler draws them
-        before it queues the next step behind this one: drawn after, they would wait for it.)"""
+        `drawn`: the step's tokens as `draw_ahead` drew them from these outputs, for a step
+        with no drafts; they are read instead of drawn again, and each sampled row's uniform
+        is used up as drawing would."""
         if len(outputs) != len(decoding):
             raise SpecError(f"{len(outputs)} outputs for {len(decoding)} decoding slots")
         slots = list(map(_slot_of, decoding))
@@ -409,7 +428,7 @@ class Speculator:
         slots: list[SlotId],
         plans: list[_Plan],
         outputs: Sequence[RowOutput],
-        drawn: mx.array | None = None,
+        drawn: Drawn | None = None,
     ) -> PlainStep:
         """A step without drafts: one token per slot, sampled (`sample`) with no acceptance.
         The same tokens `_accept` would give for K = 0, at a fraction of its cost."""
@@ -422,15 +441,14 @@ class Speculator:
                 [d.rng for d in decoding],
             )
         else:
-            if drawn.shape != (len(decoding),) or not all(p.unadjusted for p in params):
+            if drawn.tokens.shape != (len(decoding),):
                 raise SpecError(
-                    f"tokens drawn ahead of shape {drawn.shape} for {len(decoding)} rows, "
-                    "or for a request with penalties or a logit bias"
+                    f"tokens drawn ahead of shape {drawn.tokens.shape} for {len(decoding)} rows"
                 )
             for d in decoding:
                 if not d.params.greedy:
                     d.rng.uniform(1)  # the uniform `drawn` peeked, used up as `sample` would
-            tokens, adjusted = cast(list[int], drawn.tolist()), last_logits(outputs)
+            tokens, adjusted = cast(list[int], drawn.tokens.tolist()), drawn.adjusted
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs]
         if self.drafters:  # they follow the trunk
             for slot, plan, out in zip(slots, plans, outputs, strict=True):
