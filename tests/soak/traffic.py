@@ -149,9 +149,15 @@ class Traffic:
         return p.TokenPrompt([self.rng.randrange(1, self.vocab) for _ in range(n)])
 
     def _sampling(self) -> dict[str, object]:
-        if self.rng.random() < 0.5:
-            return {"temperature": 0.0}
-        return {"temperature": 0.8, "top_p": 0.9, "seed": self.rng.randrange(1 << 30)}
+        """Greedy or seeded sampling; a third of either with penalties and a logit bias (the
+        host-side adjustments decode-ahead must apply on the device)."""
+        fields: dict[str, object] = {"temperature": 0.0}
+        if self.rng.random() >= 0.5:
+            fields = {"temperature": 0.8, "top_p": 0.9, "seed": self.rng.randrange(1 << 30)}
+        if self.rng.random() < 1 / 3:
+            fields |= {"repetition_penalty": 1.2, "presence_penalty": 0.4}
+            fields |= {"frequency_penalty": 0.3, "logit_bias": {7: 2.0, 11: -3.0}}
+        return fields
 
     async def _every(
         self, period: float, action: Callable[[], Awaitable[None]], stop_at: float
