@@ -383,7 +383,10 @@ class Stepper:
         ]
         if not go:
             return
-        drawn = self.speculator.draw_ahead(states, rows)
+        try:
+            drawn = self.speculator.draw_ahead(states, rows)
+        except Exception:  # nothing queued: the resolve draws and reports it per request
+            return
         tokens = drawn.tokens
         fed = tokens if len(go) == len(rows) else tokens[mx.array(go, dtype=mx.int32)]
         read = [drawn.adjusted] if any(d.params.logprobs for d in states) else []

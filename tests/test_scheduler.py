@@ -324,6 +324,29 @@ async def test_decode_ahead_beside_drafters_serves_what_plain_steps_serve(
         same_output(results[request.request_id or ""], await alone(new, request))
 
 
+async def test_a_failed_draw_ahead_queues_nothing_and_the_resolve_draws(
+    new: Callable[..., Scheduler],
+) -> None:
+    """Should drawing a step's tokens on the device fail, no step is queued after it: the
+    resolve draws them as ever (and would report its own failure per request), and every
+    request streams what it streams alone."""
+    requests = greedy_requests(6, seed=23)
+    scheduler = new(n_slots=3, decode_ahead=True)
+    draw_ahead = scheduler._stepper.speculator.draw_ahead
+    calls = itertools.count()
+
+    def flaky(*args: Any) -> Any:
+        if next(calls) % 2 == 0:
+            raise RuntimeError("injected: drawing ahead failed")
+        return draw_ahead(*args)
+
+    scheduler._stepper.speculator.draw_ahead = flaky  # type: ignore[method-assign]
+    results = await staggered(scheduler, requests, 0.005)
+    assert next(calls) > 4 and scheduler._stepper.ahead_adopted > 0
+    for request in requests:
+        same_output(results[request.request_id or ""], await alone(new, request))
+
+
 async def test_decode_ahead_applies_penalties_and_bias_as_the_host_does(
     new: Callable[..., Scheduler],
 ) -> None:
