@@ -32,6 +32,7 @@ their requests as in a forward of their own.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -67,6 +68,12 @@ logits from the forward (a numerical fault in their rows). See the module docstr
 Launch = Callable[[list[RowOutput], Sequence[mx.array]], None]
 """Decode-ahead's hook into a checked step: the rows' outputs and the (lazy) arrays the
 host will read to check them."""
+
+AHEAD_WINDOW = 8  # of the last this many queued steps (at least half of them seen) ...
+AHEAD_PAUSE_STEPS = 32  # ... were half dropped: decode-ahead queues nothing for this many steps
+"""Each dropped step was a wasted device step. Beside drafters a plan may draft right after
+plain steps again and again (n-gram matches that come and go): rather than waste a step in
+two or three, decode-ahead pauses, then tries again."""
 
 UNCHANGED = (BatchError, PoolError)
 """Exceptions after which the runner guarantees the pool is unchanged."""
@@ -197,6 +204,8 @@ class Stepper:
         self._drawn: tuple[list[int], Drawn] | None = None
         self.ahead_adopted = 0  # decode-ahead steps taken (in part or whole) / dropped
         self.ahead_dropped = 0
+        self._ahead_taken: collections.deque[bool] = collections.deque(maxlen=AHEAD_WINDOW)
+        self._ahead_paused = 0  # steps left before decode-ahead queues again
         self.ahead_beside_prefill = 0  # taken while new prompts' chunks ran on their own
         materialize(speculator)  # its runner's model and pool, its drafters
 
@@ -243,14 +252,18 @@ class Stepper:
         if not entries:
             return
         t1 = time.perf_counter()
-        launch = (
-            partial(self._launch_ahead, decoding, states, any(map(_wants_hidden, rows)))
-            if self.decode_ahead and not chunks and all(map(_plain_row, rows))
-            else None
-        )
         base = len(chunks)
         adopted = (
             None if ahead is None or base == len(entries) else self._adopted(ahead, entries[base:])
+        )
+        self._pace_ahead(ahead is not None, adopted is not None)
+        launch = (
+            partial(self._launch_ahead, decoding, states, any(map(_wants_hidden, rows)))
+            if self.decode_ahead
+            and not self._ahead_paused
+            and not chunks
+            and all(map(_plain_row, rows))
+            else None
         )
         if adopted is not None:
             # The decode rows were computed ahead; new prompts' chunks (a request admitted
@@ -328,6 +341,18 @@ class Stepper:
                 self.speculator.prefilled(row, output)
             except Exception as e:
                 result.failed.append((seq, _describe(e)))
+
+    def _pace_ahead(self, queued: bool, taken: bool) -> None:
+        """Count this step toward decode-ahead's pause (`AHEAD_WINDOW`)."""
+        if not queued:
+            self._ahead_paused = max(0, self._ahead_paused - 1)
+            return
+        seen = self._ahead_taken
+        seen.append(taken)
+        dropped = len(seen) - sum(seen)
+        if not taken and 2 * len(seen) >= AHEAD_WINDOW and 2 * dropped >= len(seen):
+            seen.clear()
+            self._ahead_paused = AHEAD_PAUSE_STEPS
 
     def _adopted(self, ahead: Ahead, entries: list[tuple[Seq, Row]]) -> list[RowOutput] | None:
         """The queued step's outputs for `entries` — all plain decode rows — if each is a row

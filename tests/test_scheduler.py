@@ -28,6 +28,7 @@ from engine.gguf import GGUFFile
 from engine.models.qwen35 import Model, load_model
 from engine.runner import BatchError, ModelRunner, RowOutput
 from engine.sampling import SamplingParams
+from engine.spec.drafters import UNBOUNDED, Draft, Drafter, DraftJob
 from engine.spec.speculator import Committed, DecodingSlot, PlainStep, Speculator
 from engine.tokenizer import Tokenizer
 from scheduler import (
@@ -322,6 +323,55 @@ async def test_decode_ahead_beside_drafters_serves_what_plain_steps_serve(
     assert sum(r.finished.spec.verify_steps for r in results.values()) > 0
     for request in requests:
         same_output(results[request.request_id or ""], await alone(new, request))
+
+
+class EveryOtherPosition(Drafter):
+    """Drafts one (likely wrong) token at every even position: a plan drafts right after
+    each plain step, the worst case for decode-ahead beside a drafter."""
+
+    name = "every-other"
+
+    def available(self, d: DecodingSlot, length: int) -> int:
+        return UNBOUNDED if length % 2 == 0 else 0
+
+    def draft(self, jobs: Sequence[DraftJob]) -> list[Draft]:
+        return [Draft([7]) if j.k else Draft() for j in jobs]
+
+
+async def test_decode_ahead_pauses_when_its_queued_steps_are_mostly_dropped(
+    new: Callable[..., Scheduler], model: Model, tokenizer: Tokenizer
+) -> None:
+    """A drafter that drafts after every plain step makes each queued step a wasted one:
+    decode-ahead pauses after a few (`AHEAD_WINDOW`) and tries again later, so most plain
+    steps queue nothing; outputs stay those of plain decoding."""
+    pool = SlotPool(model.config, 2, CONTEXT, kv_dtype=mx.float32, max_draft=MAX_DRAFT)
+    runner = ModelRunner(model, pool)
+    spec = Speculator(runner, MAX_DRAFT, [EveryOtherPosition()])
+    config = SchedulerConfig(decode_ahead=True)
+    scheduler = Scheduler(runner, tokenizer, config, spec)
+    rng = random.Random(61)
+    requests = [
+        Request(
+            prompt=prompt(rng, 9),
+            sampling=GREEDY,
+            max_tokens=60,
+            ignore_eos=True,
+            speculation=Speculation.ON,
+            request_id=f"e{i}",
+        )
+        for i in range(2)
+    ]
+    async with scheduler.running():
+        got = [completion(await events_of(scheduler.submit(r))) for r in requests]
+    stepper = scheduler._stepper
+    verify = sum(c.finished.spec.verify_steps for c in got)
+    plain = sum(c.finished.spec.decode_steps for c in got) - verify
+    assert verify > 20 and plain > 20
+    # without the pause every plain step but the last queues a step the next plan drops
+    assert 0 < stepper.ahead_dropped <= plain // 3
+    assert pool.free_slots == pool.n_slots
+    for request, out in zip(requests, got, strict=True):
+        same_output(out, await alone(new, request))
 
 
 async def test_a_failed_draw_ahead_queues_nothing_and_the_resolve_draws(
