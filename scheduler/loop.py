@@ -52,7 +52,7 @@ from scheduler.prefix_reuse import PrefixReuse
 from scheduler.queue import Rejected, RejectReason, WaitQueue
 from scheduler.request import DuplicateRequestId, Request, Speculation, prepare
 from scheduler.sequence import Phase, Sequence
-from scheduler.stats import AheadStats, Counters, SchedulerStats
+from scheduler.stats import Counters, SchedulerStats
 from scheduler.step import Stepper, StepPlan, StepResult
 from scheduler.step_thread import StepThread
 
@@ -241,9 +241,7 @@ class Scheduler:
             generated_tokens=c.generated_tokens,
             times=replace(c.times),
             prefix_cache=replace(self._reuse.stats()),
-            decode_ahead=AheadStats(
-                step.ahead_adopted, step.ahead_dropped, step.ahead_beside_prefill
-            ),
+            decode_ahead=replace(step.ahead),
         )
 
     # -- the loop --------------------------------------------------------------------------------

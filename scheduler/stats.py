@@ -23,7 +23,7 @@ class StepTimes:
     publish_s: float = 0.0  # detokenize, stop strings, deltas (overlaps the next forward)
 
 
-@dataclass(frozen=True)
+@dataclass
 class AheadStats:
     """Decode-ahead (`SchedulerConfig.decode_ahead`): steps queued ahead that a plan took
     (`taken`; of them `beside_prefill` while new prompts' chunks ran in a forward of their

@@ -59,6 +59,7 @@ from engine.spec.speculator import (
 from scheduler.outcome import TokenLogprob
 from scheduler.prefix_reuse import SlotImage
 from scheduler.sequence import Sequence as Seq
+from scheduler.stats import AheadStats
 
 FaultHook = Callable[[list[str]], Collection[str] | None]
 """Test-only: called on the step thread with the request ids of each forward before it
@@ -202,11 +203,9 @@ class Stepper:
         # this step's tokens, drawn on the device before the next step was queued behind it
         # (`_launch_ahead`), for the resolve to read: (the rows' outputs, by identity; them)
         self._drawn: tuple[list[int], Drawn] | None = None
-        self.ahead_adopted = 0  # decode-ahead steps taken (in part or whole) / dropped
-        self.ahead_dropped = 0
+        self.ahead = AheadStats()  # queued steps taken (in part or whole) and dropped
         self._ahead_taken: collections.deque[bool] = collections.deque(maxlen=AHEAD_WINDOW)
         self._ahead_paused = 0  # steps left before decode-ahead queues again
-        self.ahead_beside_prefill = 0  # taken while new prompts' chunks ran on their own
         materialize(speculator)  # its runner's model and pool, its drafters
 
     def run(self, plan: StepPlan) -> StepResult:
@@ -256,7 +255,10 @@ class Stepper:
         adopted = (
             None if ahead is None or base == len(entries) else self._adopted(ahead, entries[base:])
         )
-        self._pace_ahead(ahead is not None, adopted is not None)
+        if ahead is not None:
+            self._count_ahead(adopted is not None, beside_prefill=base > 0)
+        else:
+            self._ahead_paused = max(0, self._ahead_paused - 1)
         launch = (
             partial(self._launch_ahead, decoding, states, any(map(_wants_hidden, rows)))
             if self.decode_ahead
@@ -268,12 +270,9 @@ class Stepper:
         if adopted is not None:
             # The decode rows were computed ahead; new prompts' chunks (a request admitted
             # meanwhile) run in a forward of their own rather than waste them.
-            self.ahead_adopted += 1
-            self.ahead_beside_prefill += base > 0
             outputs = self._forward(entries[:base], result) if base else {}
             outputs |= self._checked(entries[base:], adopted, result, base, launch, taken=True)
         else:
-            self.ahead_dropped += ahead is not None
             outputs = self._forward(entries, result, launch=launch)
         t2 = time.perf_counter()
         result.draft_s, result.forward_s = t1 - t0, t2 - t1
@@ -342,11 +341,14 @@ class Stepper:
             except Exception as e:
                 result.failed.append((seq, _describe(e)))
 
-    def _pace_ahead(self, queued: bool, taken: bool) -> None:
-        """Count this step toward decode-ahead's pause (`AHEAD_WINDOW`)."""
-        if not queued:
-            self._ahead_paused = max(0, self._ahead_paused - 1)
-            return
+    def _count_ahead(self, taken: bool, beside_prefill: bool) -> None:
+        """A queued step was taken or dropped: count it, and pause decode-ahead when half of
+        the recent ones were dropped (`AHEAD_WINDOW`)."""
+        if taken:
+            self.ahead.taken += 1
+            self.ahead.beside_prefill += beside_prefill
+        else:
+            self.ahead.dropped += 1
         seen = self._ahead_taken
         seen.append(taken)
         dropped = len(seen) - sum(seen)
@@ -574,39 +576,37 @@ class FiniteCheck:
 
     Rows the runner made share one packed logits array: one reduction over it serves
     them all, without slicing each row out; a row made otherwise (a poisoned one) gets its
-    own. `arrays` are the lazy reductions (none on the CPU, where numpy checks the packed
-    logits in place, several times faster than MLX's reductions there); `read` evaluates
-    them (one sync) and answers.
+    own. `arrays` are the lazy reductions, for a caller to evaluate early; `read` evaluates
+    them (one sync) and answers. On the CPU numpy checks the packed logits in place instead
+    (several times faster than MLX's reductions there).
     """
 
     def __init__(self, rows: list[RowOutput]) -> None:
         self.rows = rows
-        packs = list(map(_packed_of, rows))
-        arrays = list(map(_first, filter(None, packs)))  # (C loops: this runs for every row)
+        arrays = list(map(_first, filter(None, map(_packed_of, rows))))  # (C loops: per row)
         self.shared = dict(zip(map(id, arrays), arrays, strict=True))
-        self.sums: dict[int, mx.array] = {}
-        self.own: list[mx.array] = []
-        if not rows or on_host():
-            return
-        self.sums = {key: mx.isfinite(a.sum(-1)) for key, a in self.shared.items()}
-        if len(arrays) != len(rows):
-            self.own = [mx.isfinite(o.logits.sum()) for o in rows if o.packed is None]
+        self.own = (
+            []
+            if len(arrays) == len(rows)
+            else [mx.isfinite(o.logits.sum()) for o in rows if o.packed is None]
+        )
+        self.host = on_host()
+        self.sums = (
+            {} if self.host else {key: mx.isfinite(a.sum(-1)) for key, a in self.shared.items()}
+        )
 
     @property
     def arrays(self) -> list[mx.array]:
         return [*self.sums.values(), *self.own]
 
     def read(self) -> list[bool]:
-        rows = self.rows
+        rows, own = self.rows, self.own
         if not rows:
             return []
         sums: dict[int, Any] = self.sums
-        own = self.own
-        if on_host():
+        if self.host:
             sums = {key: np.isfinite(np.asarray(a)).all(-1) for key, a in self.shared.items()}
-            if len(self.shared) != len(rows):
-                own = [mx.isfinite(o.logits.sum()) for o in rows if o.packed is None]
-        mx.eval([s for s in sums.values() if isinstance(s, mx.array)], own)
+        mx.eval(self.arrays)
         if not own and not any(np.any(~np.asarray(ok)) for ok in sums.values()):
             return [True] * len(rows)  # the common case, with no walk over the rows
         # bad positions before each index: a row [at, at + n) is fine when none lie within it

@@ -247,13 +247,8 @@ async def test_decode_ahead_serves_what_plain_steps_serve(
     )
     results = await staggered(scheduler, requests, 0.01)
     stepper = scheduler._stepper
-    assert stepper.ahead_adopted > 10 and stepper.ahead_beside_prefill > 0
     counted = scheduler.stats().decode_ahead  # (what the daemon's metrics export)
-    assert (counted.taken, counted.dropped, counted.beside_prefill) == (
-        stepper.ahead_adopted,
-        stepper.ahead_dropped,
-        stepper.ahead_beside_prefill,
-    )
+    assert counted == stepper.ahead and counted.taken > 10 and counted.beside_prefill > 0
     for request in requests:
         got = results[request.request_id or ""]
         same_output(got, await alone(new, request))
@@ -288,7 +283,7 @@ async def test_decode_ahead_draws_sampled_tokens_as_the_host_does(
     ]
     scheduler = new(n_slots=4, decode_ahead=True, max_prefill_chunk=16)
     results = await staggered(scheduler, requests, 0.005)
-    assert scheduler._stepper.ahead_adopted > 10
+    assert scheduler._stepper.ahead.taken > 10
     for request in requests:
         same_output(results[request.request_id or ""], await alone(new, request))
 
@@ -319,7 +314,7 @@ async def test_decode_ahead_beside_drafters_serves_what_plain_steps_serve(
     scheduler = new(n_slots=4, speculate=True, decode_ahead=True, max_prefill_chunk=16)
     results = await staggered(scheduler, requests, 0.005)
     stepper = scheduler._stepper
-    assert stepper.decode_ahead and stepper.ahead_adopted > 0 and stepper.ahead_dropped > 0
+    assert stepper.decode_ahead and stepper.ahead.taken > 0 and stepper.ahead.dropped > 0
     assert sum(r.finished.spec.verify_steps for r in results.values()) > 0
     for request in requests:
         same_output(results[request.request_id or ""], await alone(new, request))
@@ -368,7 +363,7 @@ async def test_decode_ahead_pauses_when_its_queued_steps_are_mostly_dropped(
     plain = sum(c.finished.spec.decode_steps for c in got) - verify
     assert verify > 20 and plain > 20
     # without the pause every plain step but the last queues a step the next plan drops
-    assert 0 < stepper.ahead_dropped <= plain // 3
+    assert 0 < stepper.ahead.dropped <= plain // 3
     assert pool.free_slots == pool.n_slots
     for request, out in zip(requests, got, strict=True):
         same_output(out, await alone(new, request))
@@ -392,7 +387,7 @@ async def test_a_failed_draw_ahead_queues_nothing_and_the_resolve_draws(
 
     scheduler._stepper.speculator.draw_ahead = flaky  # type: ignore[method-assign]
     results = await staggered(scheduler, requests, 0.005)
-    assert next(calls) > 4 and scheduler._stepper.ahead_adopted > 0
+    assert next(calls) > 4 and scheduler._stepper.ahead.taken > 0
     for request in requests:
         same_output(results[request.request_id or ""], await alone(new, request))
 
@@ -428,7 +423,7 @@ async def test_decode_ahead_applies_penalties_and_bias_as_the_host_does(
         async with scheduler.running():
             handles = [scheduler.submit(r) for r in requests]
             got = [completion(await events_of(h)) for h in handles]
-        assert scheduler._stepper.ahead_adopted > 0
+        assert scheduler._stepper.ahead.taken > 0
         for request, out in zip(requests, got, strict=True):
             same_output(out, await alone(new, request))
             if request.sampling.logprobs:
@@ -476,7 +471,7 @@ async def test_decode_ahead_keeps_finished_snapshots_and_cancels_exact(
     same_output(done, await alone(new, first))
     for request, got in zip(others[1:], rest, strict=True):
         same_output(got, await alone(new, request))
-    assert scheduler._stepper.ahead_adopted > 0
+    assert scheduler._stepper.ahead.taken > 0
 
 
 class CommittedSpeculator(Speculator):
@@ -937,7 +932,7 @@ async def test_faults_in_steps_taken_from_decode_ahead_end_only_their_requests(
     async with scheduler.running():
         handles = [scheduler.submit(r) for r in [*good, nan]]
         results = [await h.collect() for h in handles]
-        adopted = scheduler._stepper.ahead_adopted
+        adopted = scheduler._stepper.ahead.taken
         boom = Request(prompt=prompt(rng, 5), sampling=GREEDY, max_tokens=20, request_id="boom")
         exploded = await scheduler.submit(boom).collect()
         reused = [await scheduler.submit(r).collect() for r in good]
