@@ -216,11 +216,8 @@ class ModelRunner:
         # input, device fault) leaves every slot exactly as it was.
         mx.eval(logits, hidden, new, captures, tapped_list)
         tapped = tapped_list[0] if tapped_list else None
-        self.pool.write(slots, tok_slot, tok_pos, new)
-        # Queued, not waited for: whatever reads the pool next runs after it on the stream,
-        # and the caller's sampling need not wait for a round trip to the host first.
-        mx.async_eval(self.pool.k, self.pool.v, self.pool.conv, self.pool.ssm)
-        self.pool.commit(slots, starts, lengths, _unflatten_captures(self.model, layout, captures))
+        captured = _unflatten_captures(self.model, layout, captures)
+        self._store(slots, starts, lengths, tok_slot, tok_pos, new, captured)
 
         out, at = StepOutput(), 0
         E = self.model.config.n_embd
@@ -286,11 +283,27 @@ class ModelRunner:
             new = [a[:, at] for a in new]
             logits = logits[at]
             hidden = None if hidden is None else hidden[at]
-        tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, [1] * len(slots))
+        ones = [1] * len(slots)
+        tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, ones)
+        self._store(slots, starts, ones, tok_slot, tok_pos, new, [None] * len(self.model.layers))
+        return StepOutput([RowOutput(packed=(logits, hidden, i, 1)) for i in range(len(slots))])
+
+    def _store(
+        self,
+        slots: list[SlotId],
+        starts: list[int],
+        lengths: list[int],
+        tok_slot: mx.array,
+        tok_pos: mx.array,
+        new: list[mx.array],
+        captured: list[LinearCapture | None],
+    ) -> None:
+        """A step's new state into the pool, and its rows' lengths (and captures) committed.
+        The write is queued, not waited for: whatever reads the pool next runs after it on
+        the stream, and the caller's sampling need not wait for a round trip to the host."""
         self.pool.write(slots, tok_slot, tok_pos, new)
         mx.async_eval(self.pool.k, self.pool.v, self.pool.conv, self.pool.ssm)
-        self.pool.commit(slots, starts, [1] * len(slots), [None] * len(self.model.layers))
-        return StepOutput([RowOutput(packed=(logits, hidden, i, 1)) for i in range(len(slots))])
+        self.pool.commit(slots, starts, lengths, captured)
 
     def past_for(self, start: int) -> int:
         """How much past K/V a step whose latest row starts at `start` reads: `start` rounded

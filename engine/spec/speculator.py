@@ -165,7 +165,6 @@ class _Plan:
     drafter: str
     draft: Draft
     length: int  # the slot's trunk length when planned
-    fed: int = 0  # tokens its row fed beyond the draft's 1 + K (filler: `uniform_verify`)
 
 
 _PLAIN = _Plan("", _NO_DRAFT, -1)  # every slot's plan in a step without drafters
@@ -344,7 +343,7 @@ class Speculator:
             if self.uniform_verify and deepest:
                 # filler: the row's last token again (read by nothing: rolled back)
                 tokens += tokens[-1:] * max(0, min(deepest - k, room - n - k - 1))
-            self._plans[d.slot] = _Plan(name, draft, n, len(tokens) - k - 1)
+            self._plans[d.slot] = _Plan(name, draft, n)
             rows.append(
                 Row(
                     d.slot,
@@ -487,12 +486,12 @@ class Speculator:
             u_accept,
             np.array([u[-1] for u in uniforms]),
         )
-        # Rejected drafts (and filler): every such slot rolls back in one pool update per
-        # state kind.
+        # Rejected drafts (and filler: a row's outputs are all the positions it fed): every
+        # such slot rolls back in one pool update per state kind.
         rejected = [
             (d.slot, int(a) + 1)
-            for d, p, k, a in zip(decoding, plans, ks, n, strict=True)
-            if a < k + p.fed
+            for d, o, a in zip(decoding, outputs, n, strict=True)
+            if a + 1 < o.logits.shape[0]
         ]
         if rejected:
             self.runner.pool.rollback_many(rejected)
