@@ -28,7 +28,6 @@ import argparse
 import socket
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ from scheduler_overhead import Bench, percentile
 from transport import loadgen, loadreport
 from transport.daemon import compiled_steps, compute_dtype, decode_ahead, kv_dtype_for
 from transport.daemon.demo import Supervised
+from transport.metrics import scrape
 
 
 def engine_rounds(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
@@ -104,10 +104,10 @@ def daemon_rounds(
     timed = config(args.n * args.rounds)
     with Supervised(serve, endpoint):
         load(config(args.n))  # warm-up round
-        before = _scrape(port)
+        before = scrape(port)
         records = load(timed)
         time.sleep(0.6)  # the daemon's metrics snapshot its scheduler every 0.5 s
-        after = _scrape(port)
+        after = scrape(port)
     s = loadreport.summarize(timed, records)
     ttft = [t for r in records if (t := r.ttft) is not None]
     steps = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in DAEMON_COUNTERS}
@@ -130,14 +130,6 @@ DAEMON_COUNTERS = (
     "slotserve_decode_ahead_taken_total",
     "slotserve_decode_ahead_dropped_total",
 )
-
-
-def _scrape(port: int) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
 def _free_port() -> int:

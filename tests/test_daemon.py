@@ -9,17 +9,16 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from transport import protocol as p
 from transport.client import Client, Completion, ConnectionLost, RequestError
 from transport.daemon.demo import Supervised
+from transport.metrics import scrape
 
 
 @pytest.fixture(scope="module")
@@ -131,18 +130,6 @@ def test_a_second_signal_exits_at_once(model: Path, tmp_path: Path) -> None:
         elapsed = anyio.run(signal_twice_while_draining, daemon)
         status = daemon.wait()
     assert status == 1 and elapsed < 5
-
-
-def scrape(port: int) -> dict[str, float]:
-    """Every sample of the metrics endpoint, keyed by name and labels."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return samples
 
 
 def test_the_metrics_endpoint_counts_the_traffic(model: Path, tmp_path: Path) -> None:

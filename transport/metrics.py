@@ -17,6 +17,7 @@ the HTTP thread:
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Iterator
 from wsgiref.simple_server import WSGIServer
 
@@ -28,6 +29,7 @@ from prometheus_client.core import (
     Metric,
     SummaryMetricFamily,
 )
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 import scheduler as s
@@ -176,3 +178,16 @@ class Metrics:
         Port 0 binds a free port (`result.server_port`)."""
         server, _ = start_http_server(port, host, registry=self.registry)
         return server
+
+
+def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:
+    """Every sample a metrics endpoint serves now, keyed by name and labels
+    (`name{label=value,...}`, labels sorted): what tests, the soak and benchmarks read."""
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples

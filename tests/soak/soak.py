@@ -25,18 +25,17 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import anyio
-from prometheus_client.parser import text_string_to_metric_families
 from traffic import EXPECTED, FAULT_PLAN, Traffic
 
 from transport import protocol as p
 from transport.client import Client
 from transport.daemon.demo import Supervised, ensure_model
+from transport.metrics import scrape
 
 
 @dataclass(frozen=True)
@@ -168,17 +167,6 @@ def rss_mib(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def scrape(port: int, names: tuple[str, ...]) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {
-        s.name: s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name in names
-    }
-
-
 def percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -269,7 +257,11 @@ def run_soak(config: SoakConfig) -> Report:
             traffic, monitor, t0 = anyio.run(_drive, config, endpoint, daemon.proc.pid)
             stats = anyio.run(_final_stats, endpoint)
             time.sleep(1.0)  # the metrics gauges refresh every 0.5 s
-            metrics = scrape(port, ("slotserve_active_slots", "slotserve_slot_memory_bytes"))
+            metrics = {
+                k: v
+                for k, v in scrape(port).items()
+                if k in ("slotserve_active_slots", "slotserve_slot_memory_bytes")
+            }
         return _report(config, traffic, monitor, t0, stats, metrics, daemon.returncode)
 
 
