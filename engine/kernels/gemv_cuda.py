@@ -30,10 +30,80 @@ _SOURCE = """
     constexpr int XV = 16 / sizeof(T);  // x values per 16-byte load
     constexpr int PER_WORD = BITS < 16 ? 32 / BITS : 1;  // quantized values per 32-bit word
     constexpr unsigned MASK = BITS < 16 ? (1u << (BITS & 15)) - 1 : 0u;
-    const long K = x_shape[1], N = w_shape[0];  // read, not baked in: one build per row count
+    // read, not baked in: one build per row count (a SwiGLU input is gate|up, 2K wide)
+    const long K = PRO == 2 ? x_shape[1] / 2 : x_shape[1], N = w_shape[0];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long row0 = long(blockIdx.x) * OUTS;  // the block's first output (the grid fits N)
     const unsigned char* base = reinterpret_cast<const unsigned char*>(w);
+
+    // Add + RMSNorm prologue: every block first sums the squares of its rows of h = x + m
+    // (rounded to T, as the separate kernel stores it); block 0 also writes h.
+    __shared__ float inv[R];
+    if (PRO == 1) {
+        __shared__ float ssp[SPLIT][R];
+        float ss[R];
+        #pragma unroll
+        for (int r = 0; r < R; ++r) ss[r] = 0.0f;
+        for (long k = long(threadIdx.x) * XV; k < K; k += 32L * SPLIT * XV) {
+            #pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const uint4 xu = __ldg(reinterpret_cast<const uint4*>(x + r * K + k));
+                const uint4 mu = __ldg(reinterpret_cast<const uint4*>(m + r * K + k));
+                uint4 hu;
+                #pragma unroll
+                for (int e = 0; e < XV; ++e) {
+                    const T s = static_cast<T>(static_cast<float>(reinterpret_cast<const T*>(&xu)[e])
+                        + static_cast<float>(reinterpret_cast<const T*>(&mu)[e]));
+                    reinterpret_cast<T*>(&hu)[e] = s;
+                    ss[r] += static_cast<float>(s) * static_cast<float>(s);
+                }
+                if (blockIdx.x == 0) *reinterpret_cast<uint4*>(h + r * K + k) = hu;
+            }
+        }
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float v = ss[r];
+            #pragma unroll
+            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
+            if (lane == 0) ssp[warp][r] = v;
+        }
+        __syncthreads();
+        if (threadIdx.x < R) {
+            float v = 0.0f;
+            #pragma unroll
+            for (int i = 0; i < SPLIT; ++i) v += ssp[i][threadIdx.x];
+            inv[threadIdx.x] = rsqrtf(v / K + EPS);
+        }
+        __syncthreads();
+    }
+    // XV input values of row r from k on, through the prologue: each rounded to T where the
+    // separate kernels would have stored it.
+    auto load_x = [&](int r, long k, float* xv) {
+        if (PRO == 1) {
+            const uint4 xu = __ldg(reinterpret_cast<const uint4*>(x + r * K + k));
+            const uint4 mu = __ldg(reinterpret_cast<const uint4*>(m + r * K + k));
+            #pragma unroll
+            for (int e = 0; e < XV; ++e) {
+                const float s = static_cast<float>(static_cast<T>(
+                    static_cast<float>(reinterpret_cast<const T*>(&xu)[e])
+                    + static_cast<float>(reinterpret_cast<const T*>(&mu)[e])));
+                xv[e] = static_cast<float>(static_cast<T>(s * inv[r] * __ldg(nw + k + e)));
+            }
+        } else if (PRO == 2) {
+            const uint4 gu = __ldg(reinterpret_cast<const uint4*>(x + r * 2 * K + k));
+            const uint4 uu = __ldg(reinterpret_cast<const uint4*>(x + r * 2 * K + K + k));
+            #pragma unroll
+            for (int e = 0; e < XV; ++e) {
+                const float g = static_cast<float>(reinterpret_cast<const T*>(&gu)[e]);
+                const float u = static_cast<float>(reinterpret_cast<const T*>(&uu)[e]);
+                xv[e] = static_cast<float>(static_cast<T>(g / (1.0f + expf(-g)) * u));
+            }
+        } else {
+            const uint4 xu = __ldg(reinterpret_cast<const uint4*>(x + r * K + k));
+            #pragma unroll
+            for (int e = 0; e < XV; ++e) xv[e] = static_cast<float>(reinterpret_cast<const T*>(&xu)[e]);
+        }
+    };
     float acc[R][OUTS];
     #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -91,11 +161,11 @@ _SOURCE = """
                     }
                 #pragma unroll
                 for (int r = 0; r < R; ++r) {
-                    const uint4 xu = __ldg(reinterpret_cast<const uint4*>(x + r * K + k) + c);
-                    const T* xt = reinterpret_cast<const T*>(&xu);
+                    float xv[XV];
+                    load_x(r, k + c * XV, xv);
                     #pragma unroll
                     for (int e = 0; e < XV; ++e) {
-                        const float xe = static_cast<float>(xt[e]);
+                        const float xe = xv[e];
                         sx[r] += xe;
                         #pragma unroll
                         for (int o = 0; o < OUTS; ++o) dot[r][o] = fmaf(wf[o][e], xe, dot[r][o]);
@@ -141,12 +211,18 @@ def dense_enabled() -> bool:
     return enabled() and os.environ.get("SLOTSERVE_FUSED_GEMV_DENSE", "0") == "1"
 
 
-def fits(x: mx.array, w: Weight) -> bool:
-    """Whether `gemv_cuda(x, w)` takes this product: few rows, float x, a weight layout the
-    kernel reads in 16-byte loads (rows of whole loads, whole groups per load)."""
-    if x.dtype not in _FLOATS or x.size // x.shape[-1] > MAX_ROWS or x.size == 0:
+def prologue_enabled() -> bool:
+    """Whether a product may fold the operation that makes its input into its own launch
+    (`add_norm_gemv_cuda`, `swiglu_gemv_cuda`): with the kernel on, unless
+    SLOTSERVE_FUSED_GEMV_PROLOGUE=0. A small decode step is bound by the host's launches, one
+    per graph node, so two nodes made one pay even where MLX's gemv reads float weights as
+    fast as this kernel."""
+    return enabled() and os.environ.get("SLOTSERVE_FUSED_GEMV_PROLOGUE", "1") != "0"
+
+
+def _fits(rows: int, K: int, dtype: mx.Dtype, w: Weight) -> bool:
+    if dtype not in _FLOATS or not 0 < rows <= MAX_ROWS:
         return False
-    K = x.shape[-1]
     if isinstance(w, QuantizedWeight):
         per_load = 128 // w.bits
         return (
@@ -156,7 +232,13 @@ def fits(x: mx.array, w: Weight) -> bool:
             and K % w.group_size == 0
             and w.scales.dtype in _FLOATS
         )
-    return w.ndim == 2 and w.shape[1] == K and w.dtype == x.dtype and K * w.itemsize % 16 == 0
+    return w.ndim == 2 and w.shape[1] == K and w.dtype == dtype and K * w.itemsize % 16 == 0
+
+
+def fits(x: mx.array, w: Weight) -> bool:
+    """Whether `gemv_cuda(x, w)` takes this product: few rows, float x, a weight layout the
+    kernel reads in 16-byte loads (rows of whole loads, whole groups per load)."""
+    return x.size > 0 and _fits(x.size // x.shape[-1], x.shape[-1], x.dtype, w)
 
 
 def preferred(x: mx.array, w: QuantizedWeight) -> bool:
@@ -165,7 +247,20 @@ def preferred(x: mx.array, w: QuantizedWeight) -> bool:
     a matrix of 16384 outputs or more, where MLX's own kernel for many rows read 24576x4096
     in 2963 us against 3737 (32 matrices) and the LM head in 633 against 1022. (At 4 rows MLX
     read the LM head 3x slower than this kernel; 5-7 rows were not measured.)"""
-    return x.size // x.shape[-1] < MAX_ROWS or w.shape[0] < 16384
+    return _preferred(x.size // x.shape[-1], w)
+
+
+def _preferred(rows: int, w: QuantizedWeight) -> bool:
+    return rows < MAX_ROWS or w.shape[0] < 16384
+
+
+def takes_prologue(rows: int, K: int, dtype: mx.Dtype, w: Weight) -> bool:
+    """Whether a product of `rows` rows of width `K` in `dtype` (as the prologue will make
+    them) by `w` takes a fused prologue: the prologue switched on, a fitting layout, and
+    for a quantized matrix a product this kernel is preferred for anyway."""
+    if not (prologue_enabled() and _fits(rows, K, dtype, w)):
+        return False
+    return not isinstance(w, QuantizedWeight) or _preferred(rows, w)
 
 
 def split_for(rows: int, n_out: int, outs: int) -> int:
@@ -185,49 +280,117 @@ def gemv_cuda(
     `split` warps per block sharing the outputs' K (None: `split_for`)."""
     if not fits(x, w):
         raise ValueError(f"gemv_cuda: x {x.shape} {x.dtype} does not fit this kernel's layouts")
-    R = x.size // x.shape[-1]
-    split = split_for(R, w.shape[0], outs) if split is None else split
+    R, K = x.size // x.shape[-1], x.shape[-1]
+    (out,) = _launch(_PLAIN, [x.reshape(R, K)], w, R, outs, unroll, split)
+    return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+def add_norm_gemv_cuda(
+    x: mx.array,
+    m: mx.array,
+    norm: mx.array,
+    eps: float,
+    w: Weight,
+    outs: int = 4,
+    unroll: int = 1,
+    split: int | None = None,
+) -> tuple[mx.array, mx.array]:
+    """The residual sum `h = x + m` and `rms_norm(h) * norm @ W.T`, in ONE launch: what
+    `add_norm_cuda.add_rms_norm_cuda` then `gemv_cuda` compute, rounded where they round
+    (`norm`: the norm's weight in float32). `x`, `m` `[R, K]` of one float dtype."""
+    R, K = x.shape if x.ndim == 2 else (0, 0)
+    if m.shape != x.shape or m.dtype != x.dtype or norm.shape != (K,) or not fits(x, w):
+        raise ValueError(
+            f"add_norm_gemv_cuda: x {x.shape} {x.dtype}, m {m.shape} {m.dtype}, "
+            f"norm {norm.shape} do not fit this kernel's layouts"
+        )
+    inputs = [x, m, norm.astype(mx.float32)]
+    out, h = _launch(_ADD_NORM, inputs, w, R, outs, unroll, split, eps=eps)
+    return h, out
+
+
+def swiglu_gemv_cuda(
+    gu: mx.array, w: Weight, outs: int = 4, unroll: int = 1, split: int | None = None
+) -> mx.array:
+    """`(silu(gate) * up) @ W.T` for the joined `gu` `[R, 2K]` (gate, then up), in ONE
+    launch: what `swiglu_cuda.swiglu_cuda` then `gemv_cuda` compute, rounded where they
+    round."""
+    R, K2 = gu.shape if gu.ndim == 2 else (0, 1)
+    if K2 % 2 or not _fits(R, K2 // 2, gu.dtype, w):
+        raise ValueError(f"swiglu_gemv_cuda: gu {gu.shape} {gu.dtype} does not fit this kernel")
+    (out,) = _launch(_SWIGLU, [gu], w, R, outs, unroll, split)
+    return out
+
+
+# Prologues: what the kernel computes its input values from (`PRO` in its source).
+_PLAIN, _ADD_NORM, _SWIGLU = 0, 1, 2
+_INPUTS = {_PLAIN: ["x"], _ADD_NORM: ["x", "m", "nw"], _SWIGLU: ["x"]}
+
+
+def _launch(
+    pro: int,
+    inputs: list[mx.array],
+    w: Weight,
+    R: int,
+    outs: int,
+    unroll: int,
+    split: int | None,
+    eps: float = 0.0,
+) -> list[mx.array]:
+    N = w.shape[0]
+    K = inputs[0].shape[1] // (2 if pro == _SWIGLU else 1)
+    split = split_for(R, N, outs) if split is None else split
     if not (outs >= 1 and R * outs <= 32 and unroll >= 1 and 1 <= split <= 32):
         raise ValueError(
             f"gemv_cuda: no kernel for {R} rows, outs={outs} unroll={unroll} split={split}"
         )
-    K = x.shape[-1]
-    lead = x.shape[:-1]
+    names = list(_INPUTS[pro])
     if isinstance(w, QuantizedWeight):
-        N, bits = w.shape[0], w.bits
-        inputs = [x.reshape(R, K), w.weight, w.scales, w.biases]
-        names = ["x", "w", "scales", "biases"]
+        bits = w.bits
+        inputs = [*inputs, w.weight, w.scales, w.biases]
+        names += ["w", "scales", "biases"]
         extra = [("S", w.scales.dtype), ("GS", w.group_size)]
     else:
-        N, bits = w.shape[0], 8 * w.itemsize
-        inputs, names = [x.reshape(R, K), w], ["x", "w"]
+        bits = 8 * w.itemsize
+        inputs, names = [*inputs, w], [*names, "w"]
         extra = [("W", w.dtype)]
-    kernel = cached_kernel("gemv", ",".join(names), names, ["out"], _source(names))
-    (out,) = kernel(
-        inputs=inputs,
-        template=[
-            ("T", x.dtype),
-            ("R", R),
-            ("BITS", bits),
-            ("VEC", 128 // bits),
-            ("OUTS", outs),
-            ("U", unroll),
-            ("SPLIT", split),
-            *extra,
-        ],
-        grid=(-(-N // outs) * 32 * split, 1, 1),
-        threadgroup=(32 * split, 1, 1),
-        output_shapes=[(R, N)],
-        output_dtypes=[x.dtype],
+    outputs = ["out", "h"] if pro == _ADD_NORM else ["out"]
+    source = _source(names, pro, eps)
+    kernel = cached_kernel("gemv", f"{','.join(names)}|{pro}|{eps!r}", names, outputs, source)
+    dtype = inputs[0].dtype
+    return list(
+        kernel(
+            inputs=inputs,
+            template=[
+                ("T", dtype),
+                ("R", R),
+                ("BITS", bits),
+                ("VEC", 128 // bits),
+                ("OUTS", outs),
+                ("U", unroll),
+                ("SPLIT", split),
+                *extra,
+            ],
+            grid=(-(-N // outs) * 32 * split, 1, 1),
+            threadgroup=(32 * split, 1, 1),
+            output_shapes=[(R, N), (R, K)][: len(outputs)],
+            output_dtypes=[dtype] * len(outputs),
+        )
     )
-    return out.reshape(*lead, N)
 
 
-def _source(names: list[str]) -> str:
-    """The kernel body; a float weight has no scales to read (and its own type `W`)."""
+def _source(names: list[str], pro: int = _PLAIN, eps: float = 0.0) -> str:
+    """The kernel body for one prologue: the inputs it does not take stand as null pointers
+    (a float weight has no scales to read, and its own type `W`)."""
+    lines = [f"    constexpr int PRO = {pro};", f"    constexpr float EPS = {eps!r}f;"]
     if "scales" in names:
-        return "    using W = unsigned char;\n" + _SOURCE
-    return (
-        "    using S = float;\n    constexpr int GS = 1;\n"
-        "    const float* scales = nullptr; const float* biases = nullptr;\n" + _SOURCE
-    )
+        lines.append("    using W = unsigned char;")
+    else:
+        lines += [
+            "    using S = float;",
+            "    constexpr int GS = 1;",
+            "    const float* scales = nullptr; const float* biases = nullptr;",
+        ]
+    if "m" not in names:
+        lines.append("    const T* m = nullptr; const float* nw = nullptr; T* h = nullptr;")
+    return "\n".join(lines) + "\n" + _SOURCE

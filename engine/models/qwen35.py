@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from engine.gated_delta import gated_delta, l2_normalize
 from engine.gguf import GGUFFile, ModelConfig, QuantizedWeight, Weight
-from engine.kernels import add_norm_cuda, attention_cuda, gdn_mixer_cuda, swiglu_cuda
+from engine.kernels import add_norm_cuda, attention_cuda, gdn_mixer_cuda, gemv_cuda, swiglu_cuda
 from engine.models import weights
 from engine.models.batch import (
     AttentionState,
@@ -49,6 +49,26 @@ def add_rms_norm(
         return add_norm_cuda.add_rms_norm_cuda(x, m, w if w32 is None else w32, eps)
     h = x + m
     return h, rms_norm(h, w, eps)
+
+
+def add_norm_project(
+    x: mx.array, m: mx.array | None, w: mx.array, w32: mx.array, eps: float, proj: Projection
+) -> tuple[mx.array, mx.array]:
+    """`add_rms_norm(x, m, w, eps)`, then the normalised rows through `proj` (joined): the
+    residual stream `h` and the product. A decode-sized product on MLX's CUDA backend takes
+    the add and the norm into its own kernel (`gemv_cuda.add_norm_gemv_cuda`): one launch
+    where there were two, and the normalised rows are never stored."""
+    W = proj.fused
+    if (
+        m is None
+        or W is None
+        or x.ndim != 2
+        or m.dtype != x.dtype
+        or not gemv_cuda.takes_prologue(x.shape[0], x.shape[1], x.dtype, W)
+    ):
+        h, a = add_rms_norm(x, m, w, eps, w32)
+        return h, proj.joined(a)
+    return gemv_cuda.add_norm_gemv_cuda(x, m, w32, eps, W)
 
 
 def rope_frequencies(cfg: ModelConfig) -> mx.array:
@@ -83,7 +103,7 @@ class Attention:
         self.omega = freqs
         # mx.fast.rope takes wavelengths 1/omega; unrotated pairs (omega = 0) get infinity
         self.wavelengths = mx.where(freqs > 0, 1.0 / freqs, mx.inf)
-        self.qkv = Projection(
+        self.in_proj = Projection(
             ld,
             [
                 (f"{prefix}.attn_q.weight", (2 * H * D, E)),
@@ -113,8 +133,9 @@ class Attention:
         )
 
     def __call__(
-        self, x: mx.array, layout: Layout, state: AttentionState
+        self, qkv: mx.array, layout: Layout, state: AttentionState
     ) -> tuple[mx.array, AttentionState]:
+        """`qkv`: the layer's normalised rows through `self.in_proj`, joined (gated q, k, v)."""
         cfg = self.cfg
         H, Hkv, D, eps = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps
         if attention_cuda.enabled() and D % 32 == 0:
@@ -122,7 +143,7 @@ class Attention:
             if not past_k.shape[-3]:  # the kernel reads no past here, but takes no empty array
                 past_k = past_v = mx.zeros((layout.rows, 1, Hkv, D), dtype=state.k.dtype)
             out, k_new, v_new = attention_cuda.attention_cuda(
-                self.qkv.joined(x),
+                qkv,
                 layout.pad_index,
                 layout.pack_index,
                 layout.row_starts,
@@ -142,7 +163,7 @@ class Attention:
             )
             return matmul(out, self.wo), new
         state = AttentionState(unstacked(state.k, 4), unstacked(state.v, 4))
-        qg, k, v = (layout.to_padded(y) for y in self.qkv(x))
+        qg, k, v = (layout.to_padded(y) for y in self.in_proj.split(qkv))
         B, T, _ = qg.shape
         qg = qg.reshape(B, T, H, 2, D)
         q, gate = qg[..., 0, :], qg[..., 1, :]
@@ -193,7 +214,7 @@ class GatedDeltaNet:
             else [(f"{prefix}.ssm_beta.weight", (Hv, E)), (f"{prefix}.ssm_alpha.weight", (Hv, E))]
         )
         self.fused_ba = len(ba) == 1
-        self.proj = Projection(
+        self.in_proj = Projection(
             ld,
             [(f"{prefix}.attn_qkv.weight", (Cc, E)), (f"{prefix}.attn_gate.weight", (Cv, E)), *ba],
         )
@@ -213,13 +234,14 @@ class GatedDeltaNet:
         return fused[..., :r].reshape(-1, cfg.ssm_hv), fused[..., r:].reshape(-1, cfg.ssm_hv)
 
     def __call__(
-        self, x: mx.array, layout: Layout, state: LinearState
+        self, proj: mx.array, layout: Layout, state: LinearState
     ) -> tuple[mx.array, LinearState, LinearCapture | None]:
+        """`proj`: the layer's normalised rows through `self.in_proj`, joined (qkv, z, b/a)."""
         cfg = self.cfg
         if gdn_mixer_cuda.enabled():
             cap_rows = layout.capture_rows
             y, ssm, conv, kept = gdn_mixer_cuda.gdn_mixer_cuda(
-                self.proj.joined(x),
+                proj,
                 layout.pad_index,
                 layout.row_lengths,
                 state.conv,
@@ -239,7 +261,7 @@ class GatedDeltaNet:
         state = LinearState(unstacked(state.conv, 3), unstacked(state.ssm, 4))
         Hk, Hv, dk, dv, Kc = cfg.ssm_hk, cfg.ssm_hv, cfg.ssm_dk, cfg.ssm_dv, cfg.conv_kernel
         Cq = Hk * dk
-        p_raw, z_raw, *ba = self.proj(x)
+        p_raw, z_raw, *ba = self.in_proj.split(proj)
         b_raw, a_raw = self._beta_alpha(ba)
         p = layout.to_padded(p_raw)  # [B, T, Cc]
         z = layout.to_padded(z_raw)
@@ -257,7 +279,7 @@ class GatedDeltaNet:
         q = q * (1.0 / math.sqrt(dk))
         o, ssm, capture = recurrence(q, k, v, g, beta, state.ssm, window, layout, cfg.v_heads_tiled)
         y = rms_norm(o, self.norm, cfg.rms_eps) * nn.silu(z.astype(mx.float32))
-        out = matmul(layout.to_packed(y.astype(x.dtype).reshape(B, T, Hv * dv)), self.w_out)
+        out = matmul(layout.to_packed(y.astype(proj.dtype).reshape(B, T, Hv * dv)), self.w_out)
         return out, LinearState(conv_tail(window, layout, Kc), ssm), capture
 
 
@@ -315,9 +337,18 @@ class DenseFFN:
         self.down = ld.matrix(f"{prefix}.ffn_down{suffix}.weight", (n_embd, n_ff))
 
     def __call__(self, x: mx.array) -> mx.array:
+        return self.down_of(self.gate_up.joined(x))
+
+    def down_of(self, gu: mx.array) -> mx.array:
+        """The FFN's output from its joined gate|up projection `gu`: `silu(gate) * up` through
+        the down projection, in one kernel for a decode-sized product on MLX's CUDA backend
+        (`gemv_cuda.swiglu_gemv_cuda`), else the SwiGLU's own kernel or ops, then the matmul."""
+        F = gu.shape[-1] // 2
+        if gu.ndim == 2 and gemv_cuda.takes_prologue(gu.shape[0], F, gu.dtype, self.down):
+            return gemv_cuda.swiglu_gemv_cuda(gu, self.down)
         if swiglu_cuda.enabled():
-            return matmul(swiglu_cuda.swiglu_cuda(self.gate_up.joined(x)), self.down)
-        gate, up = self.gate_up(x)
+            return matmul(swiglu_cuda.swiglu_cuda(gu), self.down)
+        gate, up = gu[..., :F], gu[..., F:]
         return matmul(nn.silu(gate) * up, self.down)
 
 
@@ -374,16 +405,20 @@ class DecoderLayer:
         """The layer on the residual stream `x + pending` (`x` alone when `pending` is None).
         Returns `(h, f, new state, capture)`: the layer's output is `h + f`, left unadded
         so the next residual add folds into the next norm (`add_rms_norm`)."""
-        h, a = add_rms_norm(x, pending, self.attn_norm, self.eps, self.attn_norm32)
+        eps, proj = self.eps, self.mixer.in_proj
+        h, p = add_norm_project(x, pending, self.attn_norm, self.attn_norm32, eps, proj)
         capture = None
         new: LayerState
         if isinstance(self.mixer, GatedDeltaNet):
             assert isinstance(state, LinearState)
-            m, new, capture = self.mixer(a, layout, state)
+            m, new, capture = self.mixer(p, layout, state)
         else:
             assert isinstance(state, AttentionState)
-            m, new = self.mixer(a, layout, state)
-        h, a = add_rms_norm(h, m, self.post_norm, self.eps, self.post_norm32)
+            m, new = self.mixer(p, layout, state)
+        if isinstance(self.ffn, DenseFFN):
+            h, gu = add_norm_project(h, m, self.post_norm, self.post_norm32, eps, self.ffn.gate_up)
+            return h, self.ffn.down_of(gu), new, capture
+        h, a = add_rms_norm(h, m, self.post_norm, eps, self.post_norm32)
         return h, self.ffn(a), new, capture
 
 

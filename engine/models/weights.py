@@ -90,17 +90,16 @@ class Projection:
         self.fused = _concat_rows(weights)
         self.parts = weights if self.fused is None else []
 
-    def __call__(self, x: mx.array) -> list[mx.array]:
-        if self.fused is None:
-            return [matmul(x, w) for w in self.parts]
-        bounds = [sum(self.sizes[: i + 1]) for i in range(len(self.sizes) - 1)]
-        return list(mx.split(matmul(x, self.fused), bounds, axis=-1))
-
     def joined(self, x: mx.array) -> mx.array:
         """The outputs side by side in one `[N, sum(sizes)]` array."""
         if self.fused is None:
             return mx.concatenate([matmul(x, w) for w in self.parts], axis=-1)
         return matmul(x, self.fused)
+
+    def split(self, y: mx.array) -> list[mx.array]:
+        """The matrices' outputs, each on its own, from `joined`'s array."""
+        bounds = [sum(self.sizes[: i + 1]) for i in range(len(self.sizes) - 1)]
+        return list(mx.split(y, bounds, axis=-1))
 
 
 def _concat_rows(ws: list[Weight]) -> Weight | None:

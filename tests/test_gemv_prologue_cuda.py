@@ -1,0 +1,111 @@
+"""Products that make their own input (`gemv_cuda.add_norm_gemv_cuda`,
+`gemv_cuda.swiglu_gemv_cuda`) against the separate kernels they replace, and a real model
+through both paths; on MLX's CUDA backend only."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from gpu_paths import assert_as_close_as, on_cpu, two_steps
+
+from engine.gguf import QuantizedWeight, Weight
+from engine.kernels import add_norm_cuda, gemv_cuda, swiglu_cuda
+from engine.kernels.cuda import available
+
+pytestmark = pytest.mark.skipif(not available(), reason="needs MLX's CUDA backend")
+
+
+@pytest.mark.parametrize("quant", ["f32", "q8_0"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-next"])
+def test_a_model_through_the_prologues_matches_the_portable_path(
+    make_model: Callable[..., Path], preset: str, quant: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """First in the file (a time-limited GPU run reaches the model before the kernel
+    variants below are built)."""
+    path = make_model(preset, quant=quant)
+    monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "0")
+    portable = two_steps(path, capture=True)
+    monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "1")
+    assert_as_close_as(two_steps(path, capture=True), portable, on_cpu(path))
+
+
+def _weight(kind: str, N: int, K: int, dtype: mx.Dtype) -> Weight:
+    w = mx.random.normal((N, K), key=mx.random.key(N + 3 * K)) / np.sqrt(K)
+    if kind == "float":
+        return w.astype(dtype)
+    bits = {"q8": 8, "q4": 4}[kind]
+    q, s, b = mx.quantize(w, group_size=32, bits=bits)
+    return QuantizedWeight(q, s.astype(dtype), b.astype(dtype), bits, 32, (N, K))
+
+
+def _rows(R: int, K: int, dtype: mx.Dtype, seed: int, scale: float = 1.0) -> mx.array:
+    return (scale * mx.random.normal((R, K), key=mx.random.key(seed))).astype(dtype)
+
+
+# (R, K, N, outs, unroll, split): the default tuning on shapes a model meets, then other
+# tunings (warps sharing K unevenly, outputs past N's end) on one shape
+CASES = [
+    (1, 1024, 8224, 4, 1, None),
+    (3, 4096, 1000, 4, 1, None),
+    (8, 512, 96, 4, 1, None),
+    (3, 4096, 1000, 1, 1, 1),
+    (3, 4096, 1000, 8, 1, 3),
+    (2, 1024, 1001, 2, 2, 4),
+]
+KINDS = [("float", mx.bfloat16), ("float", mx.float32), ("q8", mx.bfloat16), ("q4", mx.bfloat16)]
+
+
+@pytest.mark.parametrize(("kind", "dtype"), KINDS)
+@pytest.mark.parametrize(("R", "K", "N", "outs", "unroll", "split"), CASES)
+def test_swiglu_prologue_is_the_two_kernels_exactly(
+    R: int, K: int, N: int, dtype: mx.Dtype, kind: str, outs: int, unroll: int, split: int | None
+) -> None:
+    """Same roundings, same accumulation order: only where x comes from changed."""
+    w = _weight(kind, N, K, dtype)
+    gu = _rows(R, 2 * K, dtype, R + K, scale=3.0)
+    got = gemv_cuda.swiglu_gemv_cuda(gu, w, outs, unroll, split)
+    want = gemv_cuda.gemv_cuda(swiglu_cuda.swiglu_cuda(gu), w, outs, unroll, split)
+    assert got.shape == (R, N) and got.dtype == dtype
+    assert bool(mx.array_equal(got, want))
+
+
+@pytest.mark.parametrize(("kind", "dtype"), KINDS)
+@pytest.mark.parametrize(("R", "K", "N", "outs", "unroll", "split"), CASES)
+def test_add_norm_prologue_matches_the_two_kernels(
+    R: int, K: int, N: int, dtype: mx.Dtype, kind: str, outs: int, unroll: int, split: int | None
+) -> None:
+    """The residual sum is the separate kernel's exactly (every element, written by one
+    block of many); the product differs only by the norm's summation order."""
+    w = _weight(kind, N, K, dtype)
+    x, m = _rows(R, K, dtype, 1, scale=4.0), _rows(R, K, dtype, 2)
+    norm = 1 + 0.1 * mx.random.normal((K,), key=mx.random.key(3))
+    h, got = gemv_cuda.add_norm_gemv_cuda(x, m, norm, 1e-6, w, outs, unroll, split)
+    ref_h, a = add_norm_cuda.add_rms_norm_cuda(x, m, norm, 1e-6)
+    assert h.dtype == got.dtype == dtype and got.shape == (R, N)
+    assert bool(mx.array_equal(h, ref_h))
+    want = np.array(gemv_cuda.gemv_cuda(a, w, outs, unroll, split).astype(mx.float32))
+    # a normalised value may round to the neighbouring half-precision number: one such
+    # input moves an output by ~|w| * ulp; a wrong row or scale moves it by O(1)
+    tol = {mx.float32: 1e-5, mx.bfloat16: 2e-2}[dtype]
+    err = np.abs(np.array(got.astype(mx.float32)) - want).max()
+    assert err <= tol * max(np.abs(want).max(), 1.0), err
+
+
+def test_routing_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+    w = _weight("q8", 300, 256, mx.bfloat16)
+    assert gemv_cuda.takes_prologue(1, 256, mx.bfloat16, w)
+    assert not gemv_cuda.takes_prologue(gemv_cuda.MAX_ROWS + 1, 256, mx.bfloat16, w)
+    wide = _weight("q8", 16384, 256, mx.bfloat16)  # MLX's kernel reads 8 rows of it faster
+    assert not gemv_cuda.takes_prologue(gemv_cuda.MAX_ROWS, 256, mx.bfloat16, wide)
+    assert not gemv_cuda.takes_prologue(1, 256, mx.float16, w.dequantize())  # mixed dtypes
+    monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "0")
+    assert not gemv_cuda.takes_prologue(1, 256, mx.bfloat16, w)
+    x = _rows(2, 256, mx.bfloat16, 5)
+    with pytest.raises(ValueError, match="add_norm_gemv_cuda"):
+        gemv_cuda.add_norm_gemv_cuda(x, x[:1], mx.ones((256,)), 1e-6, w)
+    with pytest.raises(ValueError, match="swiglu_gemv_cuda"):
+        gemv_cuda.swiglu_gemv_cuda(_rows(2, 300, mx.bfloat16, 6), w)
