@@ -293,7 +293,7 @@ class Scheduler:
         try:
             # Publishing holds the GIL: start it once the step thread is computing. Blocking
             # on its start hands the GIL over.
-            job.started.wait()
+            job.wait_started()
             self._publish()
         finally:
             result = await self._thread.finish(job)  # (even if publishing failed)

@@ -4,6 +4,7 @@ waiter still waits for its call, and the thread ends on close."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -46,7 +47,7 @@ async def test_a_call_nobody_awaited_does_not_answer_for_the_next() -> None:
     try:
         thread.start(lambda: "left behind")
         slow = thread.start(lambda: time.sleep(0.05) or "its own")
-        slow.started.wait()  # (the first call has ended, and written its wake-up)
+        slow.wait_started()  # (the first call has ended, and handed its end to the loop)
         assert await thread.finish(slow) == "its own"
     finally:
         thread.close()
@@ -65,3 +66,32 @@ async def test_a_cancelled_waiter_still_waits_for_its_call_and_gets_its_result()
         assert await thread.run(lambda: "next") == "next"  # the thread is free again
     finally:
         thread.close()
+
+
+async def test_waiting_for_a_call_registers_no_descriptor_with_the_event_loop() -> None:
+    """A call's end comes to the loop as a callback: no file descriptor is added to the
+    loop's selector (and removed again) for every call, as waiting on a pipe did."""
+    loop = asyncio.get_running_loop()
+    watched = loop._selector.get_map  # type: ignore[attr-defined]  # (asyncio's selector loop)
+    before = set(watched())
+    seen: set[int] = set()
+    thread = StepThread()
+    try:
+        async with anyio.create_task_group() as tg:
+
+            async def look() -> None:
+                while True:
+                    seen.update(watched())
+                    await anyio.sleep(0.005)
+
+            tg.start_soon(look)
+            assert await thread.run(lambda: time.sleep(0.05) or "done") == "done"
+            tg.cancel_scope.cancel()
+    finally:
+        thread.close()
+    assert seen <= before
+
+
+def test_a_step_thread_is_made_on_a_running_event_loop() -> None:
+    with pytest.raises(RuntimeError, match="running asyncio event loop"):
+        StepThread()
