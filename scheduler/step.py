@@ -38,7 +38,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from operator import attrgetter, itemgetter
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -245,16 +245,17 @@ class Stepper:
             decoding, states, rows = [], [], []
         budget = plan.token_budget - sum(map(len, map(_tokens_of, rows)))
         chunks = prefill_chunks(prefilling, budget, plan.max_chunk)
-        entries = [(c.seq, self._prefill_row(c)) for c in chunks]
-        entries += list(zip(decoding, rows, strict=True))
+        # The step's rows, prefill chunks first: `seqs[i]` runs `batch[i]` (parallel lists,
+        # not a pair per row: a step at 1,024 rows would build and walk a tuple for each).
+        chunk_rows = [self._prefill_row(c) for c in chunks]
+        seqs = [c.seq for c in chunks] + decoding if chunks else decoding
+        batch = chunk_rows + rows if chunks else rows
         ahead, self._ahead, self._drawn = self._ahead, None, None
-        if not entries:
+        if not seqs:
             return
         t1 = time.perf_counter()
         base = len(chunks)
-        adopted = (
-            None if ahead is None or base == len(entries) else self._adopted(ahead, entries[base:])
-        )
+        adopted = None if ahead is None or not decoding else self._adopted(ahead, decoding, rows)
         if ahead is not None:
             self._count_ahead(adopted is not None, beside_prefill=base > 0)
         else:
@@ -267,34 +268,39 @@ class Stepper:
             and all(map(_plain_row, rows))
             else None
         )
+        failed = len(result.failed)
+        outputs: list[RowOutput | None]
         if adopted is not None:
             # The decode rows were computed ahead; new prompts' chunks (a request admitted
             # meanwhile) run in a forward of their own rather than waste them.
-            outputs = self._forward(entries[:base], result) if base else {}
-            outputs |= self._checked(entries[base:], adopted, result, base, launch, taken=True)
+            outputs = self._forward(seqs[:base], chunk_rows, result) if base else []
+            outputs = outputs + self._checked(decoding, adopted, result, launch, taken=True)
         else:
-            outputs = self._forward(entries, result, launch=launch)
+            outputs = self._forward(seqs, batch, result, launch=launch)
+        every_row_ran = len(result.failed) == failed
         t2 = time.perf_counter()
         result.draft_s, result.forward_s = t1 - t0, t2 - t1
 
-        result.chunks = [c for i, c in enumerate(chunks) if i in outputs]
-        ran = [(c.seq, entries[i][1], outputs[i]) for i, c in enumerate(chunks) if i in outputs]
-        self._prefilled(ran, result)
+        prefilled = zip(chunks, chunk_rows, outputs[:base], strict=True)
+        ran = [(c, r, o) for c, r, o in prefilled if o is not None]
+        result.chunks = [c for c, _, _ in ran]
+        self._prefilled([(c.seq, r, o) for c, r, o in ran], result)
         at = [
             (c.seq, _slot(c.seq))
             for c in result.chunks
             if c.start + len(c.tokens) in c.seq.snapshot_at
         ]
         self._snapshot(at, result.images, result)
-        done = [(c.seq, outputs[i]) for i, c in enumerate(chunks) if i in outputs and c.completes]
-        if len(outputs) == len(entries):  # every row ran (outputs are in entry order)
-            self._resolve(decoding, states, list(outputs.values())[base:], result)
+        done = [(c.seq, o) for c, _, o in ran if c.completes]
+        decoded = outputs[base:] if base else outputs
+        if every_row_ran:
+            self._resolve(decoding, states, cast(list[RowOutput], decoded), result)
         else:
-            ok = [i for i in range(len(decoding)) if base + i in outputs]
+            ok = [i for i, o in enumerate(decoded) if o is not None]
             self._resolve(
                 [decoding[i] for i in ok],
                 [states[i] for i in ok],
-                [outputs[base + i] for i in ok],
+                [o for o in decoded if o is not None],
                 result,
             )
         self._sample_first(done, result)
@@ -356,14 +362,14 @@ class Stepper:
             seen.clear()
             self._ahead_paused = AHEAD_PAUSE_STEPS
 
-    def _adopted(self, ahead: Ahead, entries: list[tuple[Seq, Row]]) -> list[RowOutput] | None:
-        """The queued step's outputs for `entries` — all plain decode rows — if each is a row
-        it queued (same sequence, slot and start, one token: the one it was fed) and the
-        runner takes them into the pool; else None, and the queued step is dropped."""
+    def _adopted(self, ahead: Ahead, seqs: list[Seq], rows: list[Row]) -> list[RowOutput] | None:
+        """The queued step's outputs for `rows` (of `seqs`) — all plain decode rows — if each
+        is a row it queued (same sequence, slot and start, one token: the one it was fed) and
+        the runner takes them into the pool; else None, and the queued step is dropped."""
         at = {id(seq): i for i, seq in enumerate(ahead.seqs)}
         fed = [int(t) for t in np.array(ahead.tokens)]  # (resolved last step: no wait)
         keep = []
-        for seq, row in entries:
+        for seq, row in zip(seqs, rows, strict=True):
             i = at.get(id(seq))
             if (
                 i is None
@@ -427,61 +433,57 @@ class Stepper:
 
     def _forward(
         self,
-        entries: list[tuple[Seq, Row]],
+        seqs: list[Seq],
+        batch: list[Row],
         result: StepResult,
-        offset: int = 0,
         launch: Launch | None = None,
-    ) -> dict[int, RowOutput]:
-        """Outputs by entry index (+ `offset`); failed entries are added to `result`.
-        `launch` sees the rows' outputs before they are checked (decode-ahead)."""
+    ) -> list[RowOutput | None]:
+        """`batch[i]`'s output, or None where it failed (`seqs[i]`'s failure is added to
+        `result`). `launch` sees the rows' outputs before they are checked (decode-ahead)."""
         try:
-            poisoned = (
-                None if self.fault_hook is None else self.fault_hook([s.id for s, _ in entries])
-            )
-            out = self.runner.step(list(map(_second, entries)))
+            poisoned = None if self.fault_hook is None else self.fault_hook([s.id for s in seqs])
+            out = self.runner.step(batch)
         except UNCHANGED as e:
-            if len(entries) == 1:
-                result.failed.append((entries[0][0], _describe(e)))
-                return {}
-            half = len(entries) // 2
-            left = self._forward(entries[:half], result, offset)
-            return left | self._forward(entries[half:], result, offset + half)
+            if len(seqs) == 1:
+                result.failed.append((seqs[0], _describe(e)))
+                return [None]
+            half = len(seqs) // 2
+            left = self._forward(seqs[:half], batch[:half], result)
+            return left + self._forward(seqs[half:], batch[half:], result)
         except Exception as e:
-            result.failed += [(s, _describe(e)) for s, _ in entries]
-            return {}
-        return self._checked(entries, _poison(entries, out.rows, poisoned), result, offset, launch)
+            result.failed += [(s, _describe(e)) for s in seqs]
+            return [None] * len(seqs)
+        return self._checked(seqs, _poison(seqs, out.rows, poisoned), result, launch)
 
     def _checked(
         self,
-        entries: list[tuple[Seq, Row]],
+        seqs: list[Seq],
         rows: list[RowOutput],
         result: StepResult,
-        offset: int,
         launch: Launch | None,
         taken: bool = False,
-    ) -> dict[int, RowOutput]:
-        """The rows whose logits are finite, by entry index (+ `offset`); the others' requests
-        fail. `launch` first, so the next step computes while the host checks this one.
+    ) -> list[RowOutput | None]:
+        """`rows`, with None for those whose logits are not finite (`seqs[i]`'s request
+        fails). `launch` first, so the next step computes while the host checks this one.
         `taken`: rows taken from the queued step, for which the fault hook (test-only) is
         heard here as `_forward` hears it for a forward: what it raises fails these rows'
         requests (their state was written), the rows it names get NaN logits."""
         if taken and self.fault_hook is not None:
             try:
-                rows = _poison(entries, rows, self.fault_hook([s.id for s, _ in entries]))
+                rows = _poison(seqs, rows, self.fault_hook([s.id for s in seqs]))
             except Exception as e:
-                result.failed += [(s, _describe(e)) for s, _ in entries]
-                return {}
+                result.failed += [(s, _describe(e)) for s in seqs]
+                return [None] * len(seqs)
         check = FiniteCheck(rows)
         if launch is not None:
             launch(rows, check.arrays)
         finite = check.read()
         if all(finite):
-            return dict(enumerate(rows, offset))
-        outputs = {}
-        for i, ((seq, _), o, ok) in enumerate(zip(entries, rows, finite, strict=True)):
-            if ok:
-                outputs[offset + i] = o
-            else:
+            return cast(list[RowOutput | None], rows)  # (the common case: no copy)
+        outputs: list[RowOutput | None] = []
+        for seq, o, ok in zip(seqs, rows, finite, strict=True):
+            outputs.append(o if ok else None)
+            if not ok:
                 result.failed.append((seq, "numerical fault: the model gave non-finite logits"))
         return outputs
 
@@ -540,7 +542,7 @@ class Stepper:
 
 
 def _poison(
-    entries: list[tuple[Seq, Row]], rows: list[RowOutput], poisoned: Collection[str] | None
+    seqs: list[Seq], rows: list[RowOutput], poisoned: Collection[str] | None
 ) -> list[RowOutput]:
     """The rows, with NaN logits for the requests the fault hook named (test-only)."""
     if not poisoned:
@@ -548,7 +550,7 @@ def _poison(
     nan = mx.array(float("nan"))
     return [
         RowOutput(o.logits + nan, o.hidden) if s.id in poisoned else o
-        for (s, _), o in zip(entries, rows, strict=True)
+        for s, o in zip(seqs, rows, strict=True)
     ]
 
 
@@ -639,7 +641,7 @@ def _plain_row(row: Row) -> bool:
 
 _packed_of, _tokens_of = attrgetter("packed"), attrgetter("tokens")
 _wants_hidden = attrgetter("want_hidden")
-_first, _second, _decoding_of = itemgetter(0), itemgetter(1), attrgetter("decoding")
+_first, _decoding_of = itemgetter(0), attrgetter("decoding")
 
 
 def _decodings(seqs: list[Seq]) -> list[DecodingSlot]:

@@ -907,6 +907,41 @@ async def test_nan_logits_in_one_row_end_only_that_request_and_its_slot_serves_a
         same_output(again, solo)
 
 
+@pytest.mark.parametrize("fault", ["nan", "batch-error"])
+async def test_a_row_failing_mid_decode_leaves_each_other_row_its_own_tokens(
+    new: Callable[..., Scheduler], fault: str
+) -> None:
+    """A decode row fails (non-finite logits, or a BatchError bisected down to it) in the
+    middle of a step of mixed requests — greedy, penalized, biased with log-probabilities,
+    seeded sampling: every other request still gets the tokens, text and log-probabilities
+    of its solo run (each row's output is resolved with its own request's state)."""
+    seen: dict[str, int] = {}
+
+    def hook(ids: list[str]) -> list[str]:
+        seen.update({i: seen.get(i, 0) + 1 for i in ids})
+        if "bad" in ids and seen["bad"] >= 4:
+            if fault == "nan":
+                return ["bad"]
+            raise BatchError("injected fault in the row of 'bad'")
+        return []
+
+    good = [
+        dataclasses.replace(r, max_tokens=10, stop=(), ignore_eos=True)
+        for r in mixed_requests(5, seed=4)
+    ]
+    bad = Request(prompt=[5, 6, 7], sampling=GREEDY, max_tokens=10, request_id="bad")
+    scheduler = new(n_slots=6, fault_hook=hook)
+    async with scheduler.running():
+        handles = [scheduler.submit(r) for r in [*good[:2], bad, *good[2:]]]
+        results = [await h.collect() for h in handles]
+    failed = results.pop(2)
+    assert failed.finished.reason == FinishReason.ERROR
+    for request, result in zip(good, results, strict=True):
+        solo = await alone(new, request)
+        same_output(result, solo)
+        assert result.logprobs == solo.logprobs
+
+
 async def test_faults_in_steps_taken_from_decode_ahead_end_only_their_requests(
     new: Callable[..., Scheduler],
 ) -> None:
