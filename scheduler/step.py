@@ -586,7 +586,11 @@ class FiniteCheck:
     def __init__(self, rows: list[RowOutput]) -> None:
         self.rows = rows
         arrays = list(map(_first, filter(None, map(_packed_of, rows))))  # (C loops: per row)
-        self.shared = dict(zip(map(id, arrays), arrays, strict=True))
+        ids = list(map(id, arrays))
+        if ids and ids.count(ids[0]) == len(ids):  # one array for all (a forward's rows)
+            self.shared = {ids[0]: arrays[0]}  # (without a dict insert per row)
+        else:
+            self.shared = dict(zip(ids, arrays, strict=True))
         self.own = (
             []
             if len(arrays) == len(rows)
@@ -607,7 +611,10 @@ class FiniteCheck:
             return []
         sums: dict[int, Any] = self.sums
         if self.host:
-            sums = {key: np.isfinite(np.asarray(a)).all(-1) for key, a in self.shared.items()}
+            host = [np.asarray(a) for a in self.shared.values()]
+            if not own and all(np.isfinite(a).all() for a in host):
+                return [True] * len(rows)  # (one reduction over each array, not one per row)
+            sums = {key: np.isfinite(a).all(-1) for key, a in zip(self.shared, host, strict=True)}
         mx.eval(self.arrays)
         if not own and not any(np.any(~np.asarray(ok)) for ok in sums.values()):
             return [True] * len(rows)  # the common case, with no walk over the rows

@@ -191,6 +191,35 @@ def test_non_finite_logits_mark_only_their_rows_packed_or_not() -> None:
     assert FiniteCheck(rows).read() == [True, False, True, False, True]
 
 
+def test_rows_over_two_packed_arrays_are_each_checked_against_their_own() -> None:
+    from engine.runner import RowOutput
+    from scheduler.step import FiniteCheck
+
+    a = mx.where(mx.arange(3)[:, None] == 1, mx.inf, mx.zeros((3, 4)))  # position 1
+    b = mx.zeros((3, 4))
+    rows = [
+        RowOutput(packed=(a, None, 0, 1)),
+        RowOutput(packed=(b, None, 0, 2)),
+        RowOutput(packed=(a, None, 1, 2)),  # holds position 1
+        RowOutput(packed=(b, None, 2, 1)),
+    ]
+    assert FiniteCheck(rows).read() == [True, True, False, True]
+
+
+def test_a_non_finite_position_no_row_reads_fails_no_row() -> None:
+    """(A queued step's logits hold the rows the next step dropped, too.)"""
+    from engine.runner import RowOutput
+    from scheduler.step import FiniteCheck
+
+    logits = mx.where(mx.arange(5)[:, None] == 2, mx.nan, mx.ones((5, 4)))  # position 2
+    rows = [RowOutput(packed=(logits, None, 0, 2)), RowOutput(packed=(logits, None, 3, 2))]
+    assert FiniteCheck(rows).read() == [True, True]
+    finite = mx.ones((2, 4))
+    assert (
+        FiniteCheck([RowOutput(packed=(finite, None, i, 1)) for i in (0, 1)]).read() == [True] * 2
+    )
+
+
 # -- a plain step's commit ------------------------------------------------------------------------
 
 
