@@ -10,27 +10,50 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from gpu_paths import assert_as_close_as, on_cpu, two_steps
+from gpu_paths import assert_as_close_as
 
+from engine.cache import SlotPool
 from engine.gguf import QuantizedWeight, Weight
 from engine.kernels import add_norm_cuda, gemv_cuda, swiglu_cuda
 from engine.kernels.cuda import available
+from engine.models.qwen35 import load_model
+from engine.runner import ModelRunner, Row
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs MLX's CUDA backend")
 
 
-@pytest.mark.parametrize("quant", ["f32", "q8_0"])
+def one_row(path: Path) -> list[np.ndarray]:
+    """One sequence on the default device: a 5-token prefill, then three decode steps of
+    one row (the shape the prologues take). Every step's logits and the slot's state."""
+    model = load_model(path)
+    pool = SlotPool(model.config, 1, 32, mx.float32)
+    runner = ModelRunner(model, pool)
+    slot = pool.allocate()
+    outs = [runner.step([Row(slot, [3, 9, 27, 81, 243], 0, want=range(5))])]
+    for tok in (17, 19, 23):
+        outs.append(runner.step([Row(slot, [tok], pool.lengths[slot])]))
+    logits = [np.array(o.rows[0].logits) for o in outs]
+    state = [np.array(a) for a in (pool.k, pool.v, *pool.ssm, *pool.conv)]
+    return logits + state
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny-next"])
 def test_a_model_through_the_prologues_matches_the_portable_path(
-    make_model: Callable[..., Path], preset: str, quant: str, monkeypatch: pytest.MonkeyPatch
+    make_model: Callable[..., Path], preset: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """First in the file (a time-limited GPU run reaches the model before the kernel
-    variants below are built)."""
-    path = make_model(preset, quant=quant)
+    """Float matrices and one row: where the prologues run. First in the file:
+    a time-limited GPU run reaches the model before the kernel variants below are built."""
+    path = make_model(preset, quant="f32")
     monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "0")
-    portable = two_steps(path, capture=True)
+    portable = one_row(path)
     monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "1")
-    assert_as_close_as(two_steps(path, capture=True), portable, on_cpu(path))
+    fused = one_row(path)
+    try:
+        mx.set_default_device(mx.cpu)
+        cpu = one_row(path)
+    finally:
+        mx.set_default_device(mx.gpu)
+    assert_as_close_as(fused, portable, cpu)
 
 
 def _weight(kind: str, N: int, K: int, dtype: mx.Dtype) -> Weight:
@@ -96,12 +119,14 @@ def test_add_norm_prologue_matches_the_two_kernels(
 
 
 def test_routing_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
-    w = _weight("q8", 300, 256, mx.bfloat16)
+    """Only where it measured faster: one row of a small float matrix."""
+    w = _weight("float", 300, 256, mx.bfloat16)
     assert gemv_cuda.takes_prologue(1, 256, mx.bfloat16, w)
-    assert not gemv_cuda.takes_prologue(gemv_cuda.MAX_ROWS + 1, 256, mx.bfloat16, w)
-    wide = _weight("q8", 16384, 256, mx.bfloat16)  # MLX's kernel reads 8 rows of it faster
-    assert not gemv_cuda.takes_prologue(gemv_cuda.MAX_ROWS, 256, mx.bfloat16, wide)
-    assert not gemv_cuda.takes_prologue(1, 256, mx.float16, w.dequantize())  # mixed dtypes
+    assert not gemv_cuda.takes_prologue(2, 256, mx.bfloat16, w)
+    assert not gemv_cuda.takes_prologue(1, 256, mx.bfloat16, _weight("q8", 300, 256, mx.bfloat16))
+    big = mx.zeros((4096, 4096), dtype=mx.bfloat16)  # 32 MiB: its read outweighs a launch
+    assert not gemv_cuda.takes_prologue(1, 4096, mx.bfloat16, big)
+    assert not gemv_cuda.takes_prologue(1, 256, mx.float16, w)  # mixed dtypes
     monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "0")
     assert not gemv_cuda.takes_prologue(1, 256, mx.bfloat16, w)
     x = _rows(2, 256, mx.bfloat16, 5)

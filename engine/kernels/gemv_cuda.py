@@ -254,13 +254,22 @@ def _preferred(rows: int, w: QuantizedWeight) -> bool:
     return rows < MAX_ROWS or w.shape[0] < 16384
 
 
+# A prologue's price: every block of the product makes the x values it reads itself (the
+# norm's sums, a SiLU per value), reading ~1.5x its own weight bytes again through the
+# caches. Measured on the H200 (docs/PERFORMANCE.md, session 8), 0.8B-shaped bf16, compiled
+# steps with decode-ahead: N = 1 440 -> 510 tok/s (launches, not the GPU, bound that step);
+# N = 8 2474 -> 1609; the 9B-shaped q8_0 at N = 1 191 -> 153 (reads bound it). So one row,
+# and a float matrix small enough that its launch outweighs its read.
+PROLOGUE_MAX_BYTES = 32 << 20
+
+
 def takes_prologue(rows: int, K: int, dtype: mx.Dtype, w: Weight) -> bool:
     """Whether a product of `rows` rows of width `K` in `dtype` (as the prologue will make
-    them) by `w` takes a fused prologue: the prologue switched on, a fitting layout, and
-    for a quantized matrix a product this kernel is preferred for anyway."""
-    if not (prologue_enabled() and _fits(rows, K, dtype, w)):
+    them) by `w` takes a fused prologue: switched on, one row, a float matrix of less than
+    `PROLOGUE_MAX_BYTES` in a layout the kernel reads."""
+    if not (prologue_enabled() and rows == 1 and isinstance(w, mx.array)):
         return False
-    return not isinstance(w, QuantizedWeight) or _preferred(rows, w)
+    return w.nbytes < PROLOGUE_MAX_BYTES and _fits(rows, K, dtype, w)
 
 
 def split_for(rows: int, n_out: int, outs: int) -> int:
