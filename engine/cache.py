@@ -72,6 +72,34 @@ class SlotSnapshot:
 
 
 @dataclass
+class SlotCopy:
+    """A slot's state copied on the device, the copies queued but not waited for
+    (`SlotPool.copy`): a snapshot before `to_host` moves it to host memory. Waiting for a
+    copy waits for everything queued before it — with a decode step queued ahead, for that
+    step — so a caller that will wait for the device anyway moves it to the host then."""
+
+    length: int
+    mtp_length: int
+    parts: list[mx.array]  # k, v `[La, 1, length, Hkv, D]`, conv, ssm `[Ll, 1, ...]` (mtp k, v)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.parts)
+
+    def to_host(self) -> SlotSnapshot:
+        """The copy in host memory (waits for it); the per-layer arrays are views."""
+        k, v, conv, ssm, *mtp = map(host_copy, self.parts)
+        return SlotSnapshot(
+            length=self.length,
+            mtp_length=self.mtp_length,
+            kv=list(zip(k[:, 0], v[:, 0], strict=True)),
+            conv=list(conv[:, 0]),
+            ssm=list(ssm[:, 0]),
+            mtp_kv=(mtp[0][0], mtp[1][0]) if mtp else None,
+        )
+
+
+@dataclass
 class SlotPool:
     """Fixed-size pool of sequence slots for one model (see module docstring)."""
 
@@ -403,26 +431,24 @@ class SlotPool:
         self._captures.pop(dst, None)
 
     def snapshot(self, slot: SlotId) -> SlotSnapshot:
-        """The slot copied to the host: every state kind sliced for all layers at once and
-        evaluated together — one wait for the device, not one per layer and kind (48 for a
-        0.8B-shaped model, each a round trip on a GPU) — then copied out; the per-layer
-        arrays are views of those copies."""
+        """The slot copied to the host (`copy`, then `SlotCopy.to_host`)."""
+        return self.copy(slot).to_host()
+
+    def copy(self, slot: SlotId) -> SlotCopy:
+        """The slot copied on the device: every state kind sliced for all layers at once, so
+        moving it to the host is one wait for the device, not one per layer and kind (48
+        for a 0.8B-shaped model). The copies are queued (`mx.async_eval`), not waited for.
+        Each is a new buffer (`fresh_copy`): a slice would share the pool's buffer, and while
+        anything shares it a write into the pool cannot reuse it and copies the whole array."""
         self._check(slot)
         n, m = self.lengths[slot], self.mtp_lengths[slot]
         at = slice(slot, slot + 1)  # (a slice is a view; an integer index would gather)
         parts = [self.k[:, at, :n], self.v[:, at, :n], self.conv[:, at], self.ssm[:, at]]
         if self.mtp_k is not None and self.mtp_v is not None:
             parts += [self.mtp_k[at, :m], self.mtp_v[at, :m]]
-        mx.eval(parts)
-        k, v, conv, ssm, *mtp = map(host_copy, parts)
-        return SlotSnapshot(
-            length=n,
-            mtp_length=m,
-            kv=list(zip(k[:, 0], v[:, 0], strict=True)),
-            conv=list(conv[:, 0]),
-            ssm=list(ssm[:, 0]),
-            mtp_kv=(mtp[0][0], mtp[1][0]) if mtp else None,
-        )
+        copies = [fresh_copy(p) for p in parts]
+        mx.async_eval(copies)
+        return SlotCopy(n, m, copies)
 
     def restore(self, snap: SlotSnapshot, slot: SlotId) -> None:
         self._check(slot)
@@ -507,6 +533,14 @@ def _runs(slots: list[SlotId]) -> list[tuple[int, int]]:
         else:
             runs.append((s, s + 1))
     return runs
+
+
+def fresh_copy(a: mx.array) -> mx.array:
+    """`a` in a buffer of its own, bit for bit: multiplied by 1 as unsigned integers of its
+    width (a float product may flush subnormals to zero on a GPU; MLX's own copies of a
+    contiguous view share the view's buffer)."""
+    bits = {1: mx.uint8, 2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[a.itemsize]
+    return (a.view(bits) * 1).view(a.dtype)
 
 
 def host_copy(a: mx.array) -> np.ndarray:

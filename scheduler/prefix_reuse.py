@@ -14,7 +14,9 @@ context K/V and waiting target features) are taken
   reply back hits it) — if the slot holds no token beyond the published output.
 
 Prefill chunks end at the snapshot boundaries, so each is taken on the step thread right
-after the chunk that reaches it. A request's snapshots stay pending (counted against the
+after the chunk that reaches it: copied on the device there, and moved to host memory at the
+end of the step, when the step thread has waited for the device anyway (moving it at once
+would wait for all the device has queued, a decode step queued ahead included). A request's snapshots stay pending (counted against the
 budget) until it completes successfully (STOP or LENGTH); only then are they published
 in the `PrefixCache`. On admission the longest cached prefix of the prompt — at most
 all tokens but the last, whose logits the first token is sampled from — is pinned,
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.cache import SlotId, SlotPool, SlotSnapshot
+from engine.cache import SlotCopy, SlotId, SlotPool, SlotSnapshot
 from engine.spec.drafters import DrafterState
 from engine.spec.speculator import Speculator
 from scheduler.prefix_cache import PrefixCache, PrefixCacheStats
@@ -58,9 +60,11 @@ class PrefixCacheConfig:
 
 @dataclass
 class SlotImage:
-    """A slot's state at a token boundary: pool snapshot and drafter states."""
+    """A slot's state at a token boundary: pool snapshot and drafter states. Captured as a
+    device copy (`SlotPool.copy`), moved to host memory by `settle` when the step has waited
+    for the device anyway; only settled images are published."""
 
-    snapshot: SlotSnapshot
+    snapshot: SlotSnapshot | SlotCopy
     drafters: dict[str, DrafterState] = field(default_factory=dict)
 
     @property
@@ -73,13 +77,20 @@ class SlotImage:
 
     @classmethod
     def capture(cls, pool: SlotPool, speculator: Speculator, slot: SlotId) -> SlotImage:
-        """Copy `slot` to the host (step thread)."""
-        return cls(pool.snapshot(slot), speculator.export(slot))
+        """Copy `slot` on the device, queued (step thread)."""
+        return cls(pool.copy(slot), speculator.export(slot))
+
+    def settle(self) -> None:
+        """Move the pool's part to host memory (step thread; waits for its copy)."""
+        if isinstance(self.snapshot, SlotCopy):
+            self.snapshot = self.snapshot.to_host()
 
     def restore(
         self, pool: SlotPool, speculator: Speculator, slot: SlotId, speculation: str
     ) -> None:
         """Make the allocated `slot` what the captured one was (step thread)."""
+        self.settle()
+        assert isinstance(self.snapshot, SlotSnapshot)
         pool.restore(self.snapshot, slot)
         speculator.adopt(slot, self.drafters, speculation)
 

@@ -219,6 +219,7 @@ class Stepper:
             done = {id(s) for s, _ in result.failed}
             everyone = plan.admit + plan.decoding + plan.prefilling
             result.failed += [(s, _describe(e)) for s in everyone if id(s) not in done]
+        self._images_to_host(result)
         return result
 
     def release(self, slots: list[SlotId]) -> None:
@@ -332,6 +333,22 @@ class Stepper:
                 into.append((seq, SlotImage.capture(self.runner.pool, self.speculator, slot)))
             except Exception as e:
                 result.failed.append((seq, f"snapshotting its slot: {_describe(e)}"))
+
+    def _images_to_host(self, result: StepResult) -> None:
+        """Move the step's snapshots to host memory, now that the step has waited for the
+        device: the copies were queued before the step this one queued ahead (if any), so
+        this waits for them only, not for that step. A snapshot that fails fails its
+        request."""
+        for images in (result.images, result.final_images):
+            kept = []
+            for seq, image in images:
+                try:
+                    image.settle()
+                except Exception as e:
+                    result.failed.append((seq, f"snapshotting its slot: {_describe(e)}"))
+                else:
+                    kept.append((seq, image))
+            images[:] = kept
 
     def _prefill_row(self, chunk: Chunk) -> Row:
         """The chunk's row, as the Speculator shapes it (drafters with state, like the MTP

@@ -116,6 +116,33 @@ def test_snapshot_restore_and_fork_round_trip_exactly(model: Model) -> None:
     assert decode(runner, a, 9, 5) == decode(runner, b, 9, 5) == decode(runner, c, 9, 5)
 
 
+def test_a_device_copy_has_buffers_of_its_own_and_keeps_the_slot_as_it_was(
+    model: Model,
+) -> None:
+    """`copy` queues copies and waits for nothing; what it copied is the slot at the time,
+    whatever the pool does next. Its buffers are its own: MLX's own copy of a contiguous
+    view (`mx.contiguous`) shares the pool's buffer, which would keep every later write
+    into the pool from reusing it."""
+    runner = new_runner(model)
+    pool = runner.pool
+    a = pool.allocate()
+    runner.step([Row(a, [4, 8, 15, 16, 23, 42], 0)])
+    before = pool.snapshot(a)
+    copy = pool.copy(a)
+    mx.eval(copy.parts)
+    wholes = [
+        w for w in (pool.k, pool.v, pool.conv, pool.ssm, pool.mtp_k, pool.mtp_v) if w is not None
+    ]
+    for part in copy.parts:
+        assert not any(np.shares_memory(np.asarray(part), np.asarray(w)) for w in wholes)
+    contiguous_view = pool.ssm[:1]
+    assert np.shares_memory(np.asarray(mx.contiguous(contiguous_view)), np.asarray(pool.ssm))
+    decode(runner, a, 9, 3)  # the slot moves on
+    after = copy.to_host()
+    assert snapshots_equal(after, before) and after.nbytes == before.nbytes == copy.nbytes
+    assert not snapshots_equal(pool.snapshot(a), before)
+
+
 def test_a_bfloat16_pool_snapshots_and_restores_bit_exactly(model: Model) -> None:
     pool = SlotPool(model.config, 2, 64, mx.bfloat16, max_draft=K)
     runner = ModelRunner(model, pool)

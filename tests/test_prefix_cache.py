@@ -18,7 +18,7 @@ import test_scheduler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.cache import SlotPool
+from engine.cache import SlotPool, SlotSnapshot
 from engine.models.qwen35 import Model
 from engine.runner import ModelRunner
 from engine.sampling import RequestRng
@@ -263,6 +263,8 @@ async def test_hits_restored_while_other_slots_decode_and_cancelled_requests_sta
     assert sum(f.reason == FinishReason.CANCELLED for f in finished) > 0
     assert cached.stats().prefix_cache.hits > 0
     assert all(e.pins == 0 for e in _entries(cached))
+    # taken as device copies, published in host memory (the budget counts host bytes)
+    assert all(isinstance(e.image.snapshot, SlotSnapshot) for e in _entries(cached))
 
 
 async def test_the_budget_holds_under_pressure_and_evicts(
