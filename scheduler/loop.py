@@ -327,8 +327,9 @@ class Scheduler:
     def _reap(self) -> None:
         """Give back the slot and memory of every admitted request that has ended."""
         keep = []
+        done = Phase.DONE  # (a local: an enum member read off its class costs ~70 ns in 3.11)
         for seq in self._active:
-            if seq.ending is None and seq.phase is not Phase.DONE:  # seq.live, inlined
+            if seq.ending is None and seq.phase is not done:  # seq.live, inlined
                 keep.append(seq)
                 continue
             self._budget.release(seq.reserved_bytes)
@@ -342,10 +343,11 @@ class Scheduler:
     def _plan(self, now: float) -> StepPlan | None:
         decoding: list[Sequence] = []
         prefilling: list[Sequence] = []
+        decode, prefill = Phase.DECODE, Phase.PREFILL  # (locals: see `_reap`)
         for s in self._active:
-            if s.phase is Phase.DECODE:
+            if s.phase is decode:
                 decoding.append(s)
-            elif s.phase is Phase.PREFILL:
+            elif s.phase is prefill:
                 prefilling.append(s)
         admitted = self._admit(now, sum(len(s.prompt) - s.prefilled for s in prefilling))
         prefilling += admitted  # (they join the end of `_active`, in order)
@@ -402,9 +404,10 @@ class Scheduler:
             )
             self._take(seq, [token], logprobs)
         unpublished = self._unpublished
+        done = Phase.DONE  # (a local: see `_reap`)
         if result.plain_logprobs is None:  # a plain step: one token each, the common case
             for seq, token in zip(result.plain, result.plain_tokens, strict=True):
-                if seq.ending is None and seq.phase is not Phase.DONE:  # seq.live, inlined
+                if seq.ending is None and seq.phase is not done:  # seq.live, inlined
                     seq.commit_plain(token)
                     unpublished.append(seq)
         else:
@@ -414,7 +417,7 @@ class Scheduler:
                     seq.commit_plain(token, logprobs)
                     unpublished.append(seq)
         for seq, committed, logprobs in result.decoded:
-            if seq.ending is None and seq.phase is not Phase.DONE:  # seq.live, inlined
+            if seq.ending is None and seq.phase is not done:  # seq.live, inlined
                 if committed.drafted:
                     seq.spec.record(committed.drafter, committed.drafted, committed.accepted)
                 else:
@@ -434,7 +437,7 @@ class Scheduler:
         now = time.monotonic()
         todo, self._unpublished = self._unpublished, []
         generated = 0
-        done = Phase.DONE  # (a local: looked up once per step, not per request)
+        done = Phase.DONE  # (a local: see `_reap`)
         groups: dict[StepSink, tuple[list[tuple[Any, Delta]], list[Sequence]]] = {}
         ended: list[tuple[Sequence, FinishReason]] = []
         for seq in todo:

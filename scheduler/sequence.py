@@ -49,6 +49,9 @@ class Phase(Enum):
     DONE = auto()
 
 
+_DONE = Phase.DONE  # (read per row: an enum member off its class costs ~70 ns in 3.11)
+
+
 @dataclass(eq=False, slots=True)  # (slots: a step reads a dozen attributes of every sequence)
 class Sequence:
     prepared: Prepared
@@ -99,7 +102,7 @@ class Sequence:
     @property
     def live(self) -> bool:
         """Still running: neither ended by its tokens nor finished."""
-        return self.phase != Phase.DONE and self.ending is None
+        return self.phase is not _DONE and self.ending is None
 
     def next_chunk_limit(self) -> int:
         """Prompt tokens the next prefill chunk may take: up to the next snapshot boundary."""
