@@ -6,7 +6,9 @@ chains K operations of one kind on tiny inputs and reports microseconds per
 operation, for: elementwise ops (which compile fuses), row reductions (which
 it cannot fuse), small matmuls, gathers and scatters, `mx.fast.rms_norm`, and
 on MLX's CUDA backend one of our own `mx.fast.cuda_kernel`s (the residual
-add + RMSNorm), which says what a custom kernel launch costs.
+add + RMSNorm), which says what a custom kernel launch costs, and trivial custom kernels
+of 1-8 inputs and 1-4 outputs (with and without `ensure_row_contiguous`), which say what
+that cost grows with.
 
     python bench/op_overhead.py --k 200
 """
@@ -63,7 +65,28 @@ def chain(kind: str, k: int) -> tuple[Callable[..., mx.array], list[mx.array]]:
             h, x = add_rms_norm_cuda(h, x, w[0], 1e-6)
         return x
 
+    def custom(n_in: int, n_out: int, contiguous: bool) -> Callable[..., mx.array]:
+        def run(x: mx.array, *rest: mx.array) -> mx.array:
+            kernel = _trivial_kernel(n_in, n_out, contiguous)  # (made on use: CUDA only)
+            for _ in range(k):
+                x = kernel(
+                    inputs=[x, *rest],
+                    grid=(1024, 1, 1),
+                    threadgroup=(256, 1, 1),
+                    output_shapes=[x.shape] * n_out,
+                    output_dtypes=[x.dtype] * n_out,
+                )[0]
+            return x
+
+        return run
+
+    extra = [mx.random.normal((1024,)) for _ in range(7)]
     cases: dict[str, tuple[Callable[..., mx.array], list[mx.array]]] = {
+        "custom kernel, 1 input, 1 output": (custom(1, 1, True), [x]),
+        "custom kernel, 4 inputs, 1 output": (custom(4, 1, True), [x, *extra[:3]]),
+        "custom kernel, 8 inputs, 1 output": (custom(8, 1, True), [x, *extra]),
+        "custom kernel, 1 input, 4 outputs": (custom(1, 4, True), [x]),
+        "custom kernel, 8 inputs, not ensure_row_contiguous": (custom(8, 1, False), [x, *extra]),
         "rms_norm": (rms_norm, [x, w]),
         "add_rms_norm_cuda (2 per call)": (add_rms_norm, [x, w]),
         "elementwise": (elementwise, [x]),
@@ -72,6 +95,23 @@ def chain(kind: str, k: int) -> tuple[Callable[..., mx.array], list[mx.array]]:
         "gather+scatter": (gather_scatter, [table, idx]),
     }
     return cases[kind]
+
+
+def _trivial_kernel(n_in: int, n_out: int, contiguous: bool) -> Callable[..., list[mx.array]]:
+    """A kernel doing next to nothing with `n_in` inputs and `n_out` outputs: what a launch
+    of an `mx.fast.cuda_kernel` costs by its number of arrays (CUDA only)."""
+    ins = [f"a{i}" for i in range(n_in)]
+    outs = [f"o{i}" for i in range(n_out)]
+    body = " + ".join(f"{a}[i % 1024]" for a in ins)
+    source = "const int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+    source += "".join(f"{o}[i] = {body};\n" for o in outs)
+    return mx.fast.cuda_kernel(  # type: ignore[no-any-return]
+        name=f"op_overhead_{n_in}_{n_out}_{int(contiguous)}",
+        input_names=ins,
+        output_names=outs,
+        source=source,
+        ensure_row_contiguous=contiguous,
+    )
 
 
 def per_op_us(fn: Callable[..., mx.array], args: list[mx.array], k: int, reps: int) -> float:
@@ -90,6 +130,13 @@ def main() -> None:
     kinds = ["elementwise", "reduction", "matmul_1x1024x1024", "gather+scatter", "rms_norm"]
     if available():
         kinds.append("add_rms_norm_cuda (2 per call)")
+        kinds += [
+            "custom kernel, 1 input, 1 output",
+            "custom kernel, 4 inputs, 1 output",
+            "custom kernel, 8 inputs, 1 output",
+            "custom kernel, 1 input, 4 outputs",
+            "custom kernel, 8 inputs, not ensure_row_contiguous",
+        ]
     for kind in kinds:
         fn, inputs = chain(kind, args.k)
         eager = per_op_us(fn, inputs, args.k, args.reps)
