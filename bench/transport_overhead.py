@@ -201,7 +201,7 @@ async def serve_and_load(
             if not args.no_gc_freeze:  # as the daemon does once it has warmed up
                 heap.settle_collector()
             files = [Path(tmp) / f"clients-{i}.npz" for i in range(args.client_procs)]
-            cpu0 = time.process_time()
+            cpu0, waited0 = time.process_time(), runqueue_wait_s()
             async with anyio.create_task_group() as procs:
                 for i, result_file in enumerate(files):
                     n_clients = len(range(i, args.clients, args.client_procs))
@@ -210,6 +210,7 @@ async def serve_and_load(
                     cmd += ["--max-tokens", str(args.max_tokens), "--seconds", str(args.seconds)]
                     procs.start_soon(partial(anyio.run_process, cmd, stdout=None, stderr=None))
             server_cpu = time.process_time() - cpu0
+            waited = {k: v - waited0.get(k, 0.0) for k, v in runqueue_wait_s().items()}
             received = merge_clients([dict(np.load(f)) for f in files])
     step_ends = stub.step_ends if args.transport_only else runner.step_ends
     times = scheduler.stats().times
@@ -229,11 +230,31 @@ async def serve_and_load(
         "per_client": per_client,
         "step_ms": step_ms,
         "steps_per_s": len(step_ends) / args.seconds,
+        # seconds the server's threads were ready to run but waited for a core, per step
+        "runqueue_us_per_step": {k: 1e6 * v / max(len(step_ends), 1) for k, v in waited.items()},
         "scheduler_ms_per_step": {
             k: 1000 * getattr(times, k) / steps
             for k in ("wall_s", "forward_s", "draft_s", "sample_s", "schedule_s", "publish_s")
         },
     }
+
+
+def runqueue_wait_s() -> dict[str, float]:
+    """Seconds this process's threads have spent ready to run but waiting for a CPU (Linux
+    schedstat, second field), for the event loop's thread (the main one) and for all; empty
+    where the kernel does not say. On two cores shared by the loop, the step thread, ZeroMQ's
+    I/O thread and the clients, this is the wait the added latency's tail may be made of."""
+    pid, waits = os.getpid(), {"loop": 0.0, "all": 0.0}
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                waited = int(f.read().split()[1]) / 1e9
+            waits["all"] += waited
+            if int(tid) == pid:
+                waits["loop"] = waited
+    except (OSError, IndexError, ValueError):
+        return {}
+    return waits
 
 
 def measure(received: Any, step_ends: np.ndarray, vocab: int, slots: int) -> dict[str, Any]:
@@ -342,11 +363,14 @@ def table(rows: list[dict[str, Any]]) -> str:
     """One line per configuration; `sample ms` is the scheduler's sampling time per step;
     `procs`: client processes; `srv` / `cli cpu us/tok`: CPU time of the server / the
     client processes together per streamed token
-    (all threads), which a machine shared with other work inflates far less than wall time."""
+    (all threads), which a machine shared with other work inflates far less than wall time;
+    `runq us/step`: time the event loop's thread / all the server's threads were ready to
+    run but waited for a core, per step."""
     head = (
         f"{'path':<21} {'clients':>7} {'procs':>5} {'req/cl':>6} {'slots':>5} {'step ms':>7} "
         f"{'steps/s':>7} {'tokens/s':>9} {'added p50 ms':>12} {'added p99 ms':>12} "
-        f"{'sample ms':>9} {'items/msg':>9} {'srv cpu us/tok':>14} {'cli cpu us/tok':>14}"
+        f"{'sample ms':>9} {'items/msg':>9} {'srv cpu us/tok':>14} {'cli cpu us/tok':>14} "
+        f"{'loop runq us/step':>17} {'srv runq us/step':>16}"
     )
     lines = ["model replaced by FixedCostRunner (benchmark only); clients over ipc", head]
     for r in rows:
@@ -357,7 +381,9 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['step_ms']:>7.1f} {r['steps_per_s']:>7.0f} {r['tokens_per_s']:>9,.0f} "
             f"{r['added_ms_p50']:>12.3f} {r['added_ms_p99']:>12.3f} {sample:>9.2f} "
             f"{r['deltas_per_message']:>9.2f} {r['server_cpu_us_per_token']:>14.2f} "
-            f"{r['client_cpu_us_per_token']:>14.2f}"
+            f"{r['client_cpu_us_per_token']:>14.2f} "
+            f"{r['runqueue_us_per_step'].get('loop', float('nan')):>17.1f} "
+            f"{r['runqueue_us_per_step'].get('all', float('nan')):>16.1f}"
         )
     return "\n".join(lines)
 
