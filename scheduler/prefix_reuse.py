@@ -81,9 +81,12 @@ class SlotImage:
         return cls(pool.copy(slot), speculator.export(slot))
 
     def settle(self) -> None:
-        """Move the pool's part to host memory (step thread; waits for its copy)."""
+        """Move the pool's part and the drafters' to host memory (step thread; waits for
+        their copies)."""
         if isinstance(self.snapshot, SlotCopy):
             self.snapshot = self.snapshot.to_host()
+        for state in self.drafters.values():
+            state.settle()
 
     def restore(
         self, pool: SlotPool, speculator: Speculator, slot: SlotId, speculation: str

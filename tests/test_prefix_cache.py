@@ -22,7 +22,7 @@ from engine.cache import SlotPool, SlotSnapshot
 from engine.models.qwen35 import Model
 from engine.runner import ModelRunner
 from engine.sampling import RequestRng
-from engine.spec.drafters import MTPDrafter
+from engine.spec.drafters import MTPDrafter, _HostTail
 from engine.spec.speculator import DecodingSlot, Speculator
 from engine.tokenizer import Tokenizer
 from scheduler import (
@@ -265,6 +265,9 @@ async def test_hits_restored_while_other_slots_decode_and_cancelled_requests_sta
     assert all(e.pins == 0 for e in _entries(cached))
     # taken as device copies, published in host memory (the budget counts host bytes)
     assert all(isinstance(e.image.snapshot, SlotSnapshot) for e in _entries(cached))
+    tails = [s for e in _entries(cached) for s in e.image.drafters.values()]
+    assert tails and all(isinstance(t, _HostTail) and t.n for t in tails)
+    assert all(isinstance(t.rows, np.ndarray) for t in tails)  # the MTP head's hidden rows
 
 
 async def test_the_budget_holds_under_pressure_and_evicts(

@@ -59,10 +59,14 @@ class Draft:
 
 
 class DrafterState(Protocol):
-    """A drafter's state for one slot, as `Drafter.export` returns it."""
+    """A drafter's state for one slot, as `Drafter.export` returns it: it may hold device
+    copies until `settle` moves them to host memory (on the step thread, once the step has
+    waited for the device anyway)."""
 
     @property
     def nbytes(self) -> int: ...
+
+    def settle(self) -> None: ...
 
 
 class Drafter:
@@ -159,15 +163,17 @@ class _Tail:
     n: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass
 class _HostTail:
     """A slot's per-position arrays from `start` on, not yet fed to a drafter's model,
-    copied to host memory: an MTP `_Tail`'s hidden states `[n, E]`, a DFlash `_Context`'s
-    features `[n, T*E]`."""
+    for host memory: an MTP `_Tail`'s hidden states `[n, E]`, a DFlash `_Context`'s
+    features `[n, T*E]`. Made as one device array, queued, not waited for (making it a
+    host copy at once would wait for all the device has queued, a decode step queued
+    ahead included); `settle` moves it to the host."""
 
     start: int
     n: int
-    rows: np.ndarray | None = None
+    rows: np.ndarray | mx.array | None = None
     dtype: mx.Dtype = mx.float32
 
     @classmethod
@@ -176,7 +182,13 @@ class _HostTail:
             return cls(start, 0)
         rows = mx.concatenate(list(arrays), axis=0)
         # float32 holds every float16 / bfloat16 value exactly.
-        return cls(start, rows.shape[0], np.array(rows.astype(mx.float32)), rows.dtype)
+        kept = rows.astype(mx.float32)
+        mx.async_eval(kept)
+        return cls(start, rows.shape[0], kept, rows.dtype)
+
+    def settle(self) -> None:
+        if isinstance(self.rows, mx.array):
+            self.rows = np.array(self.rows)
 
     def arrays(self) -> list[mx.array]:
         """The rows back on the device, in their own dtype (as one array; none if n = 0)."""
@@ -361,6 +373,9 @@ class _HostContext:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes + self.waiting.nbytes
+
+    def settle(self) -> None:
+        self.waiting.settle()
 
 
 class DFlashDrafter(Drafter):
