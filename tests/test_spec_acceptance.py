@@ -19,7 +19,7 @@ from engine.cache import SlotPool
 from engine.models.qwen35 import load_model
 from engine.runner import DraftRow, ModelRunner, Row
 from engine.sampling import RequestRng, SamplingParams, distribution
-from engine.spec.acceptance import accept
+from engine.spec.acceptance import accept, accept_greedy
 
 DRAWS = 20_000
 CHUNK = 5_000  # slots per call, to bound memory
@@ -45,6 +45,39 @@ def test_greedy_accepts_the_longest_matching_prefix_then_the_target_token() -> N
     )
     assert n.tolist() == [2, 3, 0, 1]
     assert nxt.tolist() == [3, 4, 5, 3]  # mismatch: target's token; all accepted: bonus token
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_greedy_shortcut_is_the_general_rule_for_greedy_targets(seed: int) -> None:
+    """`accept_greedy` (what a verify step of greedy requests runs) against `accept` on
+    one-hot p, for drafts that match a random prefix of the argmaxes, point-mass and dense
+    q, ragged depths (0 included) and ties among the logits."""
+    rng = np.random.default_rng(seed)
+    N, K, vocab = 16, 4, 12
+    logits = rng.integers(0, 5, (N, K + 1, vocab)).astype(np.float32)  # ties: first max wins
+    best = logits.argmax(axis=-1)
+    ks = rng.integers(0, K + 1, N)
+    drafts = []
+    for i, k in enumerate(ks):
+        keep = int(rng.integers(0, k + 1))  # a matching prefix, then anything
+        drafts.append(
+            [int(best[i, j]) if j < keep else int(rng.integers(0, vocab)) for j in range(k)]
+        )
+    greedy = [SamplingParams(temperature=0.0)] * (N * (K + 1))
+    p = distribution(mx.array(logits.reshape(-1, vocab)), greedy).reshape(N, K + 1, vocab)
+    dense = rng.random((N, K, vocab)).astype(np.float32)
+    q = (
+        mx.array(dense / dense.sum(-1, keepdims=True))
+        if seed % 2
+        else one_hot([d + [0] * (K - len(d)) for d in drafts], vocab)
+    )
+    padded = mx.array([d + [0] * (K - len(d)) for d in drafts], dtype=mx.int32)
+    want_n, want_next = accept(
+        p, q, padded, mx.array(ks, dtype=mx.int32), rng.random((N, K)), rng.random(N)
+    )
+    packed = np.concatenate([best[i, : k + 1] for i, k in enumerate(ks)])
+    got_n, got_next = accept_greedy(packed, drafts)
+    assert got_n.tolist() == want_n.tolist() and got_next.tolist() == want_next.tolist()
 
 
 def test_without_drafts_the_token_is_drawn_from_p() -> None:

@@ -59,3 +59,22 @@ def accept(
     rejected = (n < depth)[:, None]
     target = mx.where(rejected, residual, p_n)
     return np.array(n), np.array(draw(target, u_draw))
+
+
+def accept_greedy(best: np.ndarray, drafts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """`accept` for slots whose every verified position is greedy (p one-hot at its
+    argmax), from the argmaxes alone: whatever q is, a draft is accepted exactly when it
+    equals the target's argmax there, and the next token is the argmax after the longest
+    matching prefix (the residual at a mismatch, or the bonus token). `best`: the argmax
+    of each verified position, slot after slot (`len(drafts[i]) + 1` each); `drafts[i]`:
+    slot i's draft tokens. Returns (accepted count `[N]`, next token `[N]`) as `accept`
+    does — without building p, q and the residual over the vocabulary."""
+    n, nxt, at = [], [], 0
+    for tokens in drafts:
+        a = 0
+        while a < len(tokens) and tokens[a] == best[at + a]:
+            a += 1
+        n.append(a)
+        nxt.append(int(best[at + a]))
+        at += len(tokens) + 1
+    return np.array(n, dtype=np.int64), np.array(nxt, dtype=np.int64)

@@ -44,7 +44,7 @@ from engine.sampling import (
     greedy_tokens,
     sample,
 )
-from engine.spec.acceptance import accept
+from engine.spec.acceptance import accept, accept_greedy
 from engine.spec.controller import MODES, CostController, Offer
 from engine.spec.dflash import DFlashModel
 from engine.spec.drafters import (
@@ -470,22 +470,29 @@ class Speculator:
         ]
         logits = mx.concatenate([o.logits[: k + 1] for o, k in zip(outputs, ks, strict=True)])
         adjusted = adjust_logits(logits, params, histories)
-        p = _per_slot(distribution(adjusted, params), ks)
         uniforms = [d.rng.uniform(k + 1) for d, k in zip(decoding, ks, strict=True)]
-        K = max(ks)
-        u_accept = np.ones((len(ks), K))
-        drafts = np.zeros((len(ks), K), dtype=np.int32)
-        for i, (u, plan) in enumerate(zip(uniforms, plans, strict=True)):
-            u_accept[i, : ks[i]] = u[:-1]
-            drafts[i, : ks[i]] = plan.draft.tokens
-        n, nxt = accept(
-            p,
-            _draft_distributions(plans, K, p.shape[-1]),
-            mx.array(drafts),
-            mx.array(ks, dtype=mx.int32),
-            u_accept,
-            np.array([u[-1] for u in uniforms]),
-        )
+        if all(p.greedy for p in params):
+            # p is one-hot at each argmax: one argmax decides (`accept_greedy`), where the
+            # general rule builds p, q and the residual over the vocabulary (a dozen device
+            # ops of [N, K+1, V] each, every verify step)
+            best = np.array(mx.argmax(adjusted, axis=-1))
+            n, nxt = accept_greedy(best, [plan.draft.tokens for plan in plans])
+        else:
+            p = _per_slot(distribution(adjusted, params), ks)
+            K = max(ks)
+            u_accept = np.ones((len(ks), K))
+            drafts = np.zeros((len(ks), K), dtype=np.int32)
+            for i, (u, plan) in enumerate(zip(uniforms, plans, strict=True)):
+                u_accept[i, : ks[i]] = u[:-1]
+                drafts[i, : ks[i]] = plan.draft.tokens
+            n, nxt = accept(
+                p,
+                _draft_distributions(plans, K, p.shape[-1]),
+                mx.array(drafts),
+                mx.array(ks, dtype=mx.int32),
+                u_accept,
+                np.array([u[-1] for u in uniforms]),
+            )
         # Rejected drafts (and filler: a row's outputs are all the positions it fed): every
         # such slot rolls back in one pool update per state kind.
         rejected = [

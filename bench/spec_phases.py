@@ -1,0 +1,119 @@
+"""Where a speculative decode step's time goes: planning (drafting included), the forward,
+the resolve (acceptance and commit) and, inside it, the rollback — per configuration, at N
+rows, through the same `Speculator` and offline loop `spec_decode.py` measures.
+
+A verify step costs more than a plain one on the GPU (session 8: 4.9 against 2.0 ms at
+N = 8 on the demo model); this splits it before anything is changed for it. Timings wrap
+the Speculator's `plan` / `resolve`, the runner's `step` (decode steps only: rows of at
+most K + 1 tokens) and the pool's `rollback_many`: BENCHMARK ONLY. Each phase's time
+includes any wait for the device it makes (the resolve's first read of the logits waits
+for the forward and the LM head).
+
+    python bench/spec_phases.py --model models/slotserve-demo.gguf --ids IDS --n 8 --compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import harness  # noqa: F401  (puts the repository root on sys.path)
+import mlx.core as mx
+from spec_decode import held_out_prompts
+
+from engine.cache import SlotPool
+from engine.models.qwen35 import load_model
+from engine.runner import ModelRunner
+from engine.spec.drafters import Drafter, MTPDrafter, NgramDrafter
+from engine.spec.offline import Request, generate
+from engine.spec.speculator import Speculator
+
+CONFIGS = [("plain", "off"), ("ngram", "on"), ("ngram", "auto"), ("mtp", "on"), ("mtp", "auto")]
+PHASES = ("plan", "step", "resolve", "rollback")
+
+
+def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: Any) -> dict:
+    """ms per decode step by phase for one configuration (one warm-up run, then one timed)."""
+    K = args.k
+    pool = SlotPool(model.config, len(prompts), args.prompt_len + args.gen + K + 1, mx.float32, K)
+    runner = ModelRunner(model, pool, compile=args.compile)
+    drafters: list[Drafter] = {"ngram": [NgramDrafter()], "mtp": [MTPDrafter(runner)]}.get(
+        drafter, []
+    )
+    spec = Speculator(runner, K, drafters)
+    requests = [Request(p, args.gen, speculation=mode) for p in prompts]
+    generate(spec, requests)  # warm-up: kernel builds, compiled shapes, the controller
+    spent: collections.Counter[str] = collections.Counter()
+
+    def timed(owner: object, name: str, label: str, decode_only: bool = False) -> None:
+        fn: Callable[..., Any] = getattr(owner, name)
+
+        def wrapper(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            if not decode_only or max(len(r.tokens) for r in a[0]) <= K + 1:
+                spent[label] += time.perf_counter() - t0
+            return out
+
+        setattr(owner, name, wrapper)
+
+    timed(spec, "plan", "plan")
+    timed(runner, "step", "step", decode_only=True)
+    timed(spec, "resolve", "resolve")
+    timed(pool, "rollback_many", "rollback")
+    run = generate(spec, requests)
+    steps = max(run.steps, 1)
+    return {
+        "drafter": drafter,
+        "mode": mode,
+        "steps": run.steps,
+        "decode_ms": 1000 * run.decode_s,
+        "ms_per_step": {k: 1000 * spent[k] / steps for k in PHASES},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--ids", type=Path, required=True, help="packed ids (ids.npz): held-out prompts")
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--gen", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--configs", default=",".join(f"{d}:{m}" for d, m in CONFIGS))
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    model = load_model(args.model)
+    prompts = held_out_prompts(model, args.ids, args.n, args.prompt_len)["heldout"]
+    rows = []
+    print(
+        f"{args.model.name}, N = {args.n}, K = {args.k}, {args.gen} tokens, {mx.default_device()}"
+    )
+    print(
+        "| drafter | mode | steps | decode ms | "
+        + " | ".join(f"{k} ms/step" for k in PHASES)
+        + " |"
+    )
+    print("|---|---|---|---|" + "---|" * len(PHASES))
+    for config in args.configs.split(","):
+        drafter, mode = config.split(":")
+        r = phases(model, prompts, drafter, mode, args)
+        rows.append(r)
+        cells = " | ".join(f"{r['ms_per_step'][k]:.2f}" for k in PHASES)
+        print(f"| {drafter} | {mode} | {r['steps']} | {r['decode_ms']:.1f} | {cells} |", flush=True)
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {"command": vars(args) | {"model": str(args.model)}, "rows": rows}, default=str
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()
