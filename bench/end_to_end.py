@@ -39,7 +39,7 @@ from peers import Ours
 from scheduler_overhead import Bench, percentile
 
 from transport import loadgen, loadreport
-from transport.daemon import compiled_steps, compute_dtype, decode_ahead, kv_dtype_for
+from transport.daemon import compute_dtype, kv_dtype_for, on_a_gpu_if_auto
 from transport.daemon.demo import Supervised
 from transport.metrics import scrape
 
@@ -47,7 +47,7 @@ from transport.metrics import scrape
 def engine_rounds(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     dtype, kv = _dtypes(args)
     names = [str(d).rsplit(".", 1)[-1] for d in (dtype, kv)]
-    ours = Ours(path, dtype=names[0], kv_dtype=names[1], compile=compiled_steps(args.compile))
+    ours = Ours(path, dtype=names[0], kv_dtype=names[1], compile=on_a_gpu_if_auto(args.compile))
     walls = []
     for r in range(args.rounds + 1):
         prompts = [harness.prompt_tokens(args.prompt, 1000 * r + i, vocab) for i in range(args.n)]
@@ -64,8 +64,8 @@ def engine_rounds(path: Path, args: argparse.Namespace, vocab: int) -> dict[str,
 async def scheduler_rounds(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     dtype, kv = _dtypes(args)
     context = args.prompt + args.tokens + 8
-    ahead = decode_ahead(args.decode_ahead)
-    bench = Bench(path, dtype, args.n, context, compiled_steps(args.compile), kv, ahead)
+    ahead = on_a_gpu_if_auto(args.decode_ahead)
+    bench = Bench(path, dtype, args.n, context, on_a_gpu_if_auto(args.compile), kv, ahead)
     scheduler = bench.scheduler()
     ttft: list[float] = []
     tokens, wall = 0, 0.0
@@ -177,7 +177,7 @@ def main() -> None:
         table.append([name, r["tokens"], r["tok_s"], r["ratio_to_engine"], *latency])
     print(
         f"\n{path.name} on {mx.default_device()}, {_dtypes(args)[0]}, compiled steps "
-        f"{compiled_steps(args.compile)}, blas {args.blas}, N = {args.n}, {args.prompt}-token prompts, "
+        f"{on_a_gpu_if_auto(args.compile)}, blas {args.blas}, N = {args.n}, {args.prompt}-token prompts, "
         f"{args.tokens} tokens each, {args.rounds} rounds, decode-ahead {args.decode_ahead}\n"
     )
     header = ["path", "tokens", "tok/s", "/ engine", "TTFT p50 ms", "TTFT p95 ms"]

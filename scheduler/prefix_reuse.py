@@ -16,9 +16,9 @@ context K/V and waiting target features) are taken
 Prefill chunks end at the snapshot boundaries, so each is taken on the step thread right
 after the chunk that reaches it: copied on the device there, and moved to host memory at the
 end of the step, when the step thread has waited for the device anyway (moving it at once
-would wait for all the device has queued, a decode step queued ahead included). A request's snapshots stay pending (counted against the
-budget) until it completes successfully (STOP or LENGTH); only then are they published
-in the `PrefixCache`. On admission the longest cached prefix of the prompt — at most
+would wait for all the device has queued, a decode step queued ahead included). A request's
+snapshots stay pending (counted against the budget) until it completes successfully (STOP
+or LENGTH); only then are they published in the `PrefixCache`. On admission the longest cached prefix of the prompt — at most
 all tokens but the last, whose logits the first token is sampled from — is pinned,
 restored into the new slot on the step thread, and only the rest is prefilled.
 """

@@ -11,7 +11,7 @@ import pytest
 from engine.gguf import QuantizedWeight
 from transport import cli
 from transport.config import KEYS, ConfigError, DaemonConfig, load
-from transport.daemon import build_scheduler, compiled_steps, compute_dtype, decode_ahead
+from transport.daemon import build_scheduler, compute_dtype, on_a_gpu_if_auto
 
 EXAMPLE = Path(__file__).parent.parent / "deploy" / "slotserve.toml"
 
@@ -179,15 +179,13 @@ def test_dtype_and_compile_settings_reach_the_model_and_runner(model: Path) -> N
         with pytest.raises(ConfigError, match=rf"{next(iter(bad))}.*expected one of"):
             load(None, {}, no_flags(model=str(model), **bad))
     assert compute_dtype("float16") == mx.float16
-    assert (compiled_steps("on"), compiled_steps("off")) == (True, False)
+    assert (on_a_gpu_if_auto("on"), on_a_gpu_if_auto("off")) == (True, False)
     try:  # "auto" follows the default device
         mx.set_default_device(mx.cpu)
-        assert (compute_dtype("auto"), compiled_steps("auto")) == (mx.float32, False)
-        assert decode_ahead("auto") is False
+        assert (compute_dtype("auto"), on_a_gpu_if_auto("auto")) == (mx.float32, False)
         if mx.cuda.is_available() or mx.metal.is_available():
             mx.set_default_device(mx.gpu)
-            assert (compute_dtype("auto"), compiled_steps("auto")) == (mx.bfloat16, True)
-            assert decode_ahead("auto") is True
+            assert (compute_dtype("auto"), on_a_gpu_if_auto("auto")) == (mx.bfloat16, True)
     finally:
         mx.set_default_device(
             mx.gpu if mx.cuda.is_available() or mx.metal.is_available() else mx.cpu

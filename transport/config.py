@@ -62,9 +62,8 @@ class DaemonConfig:
     weights: str = "stored"  # "stored": matrices as the file has them; "dense": dequantized
     dtype: str = "auto"  # compute dtype; "auto": bfloat16 on a GPU, float32 on the CPU
     compile: str = "auto"  # "on": mx.compile each recurring batch shape's step; "auto": on a GPU
-    decode_ahead: str = (
-        "auto"  # queue the next decode step before reading this one; "auto": on a GPU
-    )
+    # queue the next decode step before reading this one; "auto": on a GPU
+    decode_ahead: str = "auto"
 
     @property
     def max_draft(self) -> int:

@@ -475,7 +475,7 @@ class Speculator:
             # p is one-hot at each argmax: one argmax decides (`accept_greedy`), where the
             # general rule builds p, q and the residual over the vocabulary (a dozen device
             # ops of [N, K+1, V] each, every verify step)
-            best = np.array(mx.argmax(adjusted, axis=-1))
+            best = greedy_tokens(adjusted)
             n, nxt = accept_greedy(best, [plan.draft.tokens for plan in plans])
         else:
             p = _per_slot(distribution(adjusted, params), ks)

@@ -99,7 +99,7 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
         cfg.n_vocab,
         config.weights,
         dtype,
-        "on" if compiled_steps(config.compile) else "off",
+        "on" if on_a_gpu_if_auto(config.compile) else "off",
     )
     t0 = time.perf_counter()
     kv_dtype = kv_dtype_for(dtype)
@@ -119,9 +119,9 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
         if config.prefix_cache is None
         else s.PrefixCacheConfig(config.prefix_cache, config.prefix_cache_interval),
         fault_hook=faults.from_environment(os.environ),  # test-only; None unless set
-        decode_ahead=decode_ahead(config.decode_ahead),
+        decode_ahead=on_a_gpu_if_auto(config.decode_ahead),
     )
-    runner = ModelRunner(model, pool, compile=compiled_steps(config.compile))
+    runner = ModelRunner(model, pool, compile=on_a_gpu_if_auto(config.compile))
     speculator = None if config.dflash is None else _dflash_speculator(runner, config.dflash)
     scheduler = s.Scheduler(runner, tokenizer, sched_config, speculator)
     if config.decode_ahead == "on" and not scheduler.decode_ahead:
@@ -143,21 +143,13 @@ def kv_dtype_for(dtype: mx.Dtype) -> mx.Dtype:
     return mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
 
 
-def compiled_steps(setting: str) -> bool:
-    """The `compile` setting: "auto" compiles on a GPU, where a step of hundreds of eager
-    operations pays MLX's launch cost for each (every GPU benchmark runs compiled steps), and
-    not on the CPU (where the parity tests hold the eager path)."""
-    if setting == "auto":
-        return mx.default_device() == mx.gpu
-    return setting == "on"
-
-
-def decode_ahead(setting: str) -> bool:
-    """The `decode_ahead` setting: "auto" is on where MLX computes on a GPU, whose decode
-    step at small N is bound by the host's launches (H200, the bare engine queueing each step
-    on the last one's tokens: 1.09-1.29x the tokens/s at N = 1, 8, 32 on the 0.8B shape,
-    1.14-1.27x on the 9B), and off on the CPU, where the step's compute leaves nothing to
-    hide."""
+def on_a_gpu_if_auto(setting: str) -> bool:
+    """An "auto" / "on" / "off" setting: "auto" is on where MLX computes on a GPU. So are
+    `compile` (a step of hundreds of eager operations pays MLX's launch cost for each there;
+    on the CPU the parity tests hold the eager path) and `decode_ahead` (a GPU's decode step
+    at small N is bound by the host's launches — H200, the bare engine queueing each step on
+    the last one's tokens: 1.09-1.29x the tokens/s at N = 1, 8, 32 on the 0.8B shape,
+    1.14-1.27x on the 9B — where on the CPU the step's compute leaves nothing to hide)."""
     if setting == "auto":
         return mx.default_device() == mx.gpu
     return setting == "on"
