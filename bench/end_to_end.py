@@ -25,7 +25,6 @@ Prints a table; writes out/bench/end_to_end.json.
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from scheduler_overhead import Bench, percentile
 from transport import loadgen, loadreport
 from transport.daemon import compute_dtype, kv_dtype_for, on_a_gpu_if_auto
 from transport.daemon.demo import Supervised
-from transport.metrics import scrape
+from transport.metrics import free_port, scrape
 
 
 def engine_rounds(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
@@ -86,7 +85,7 @@ async def scheduler_rounds(path: Path, args: argparse.Namespace) -> dict[str, An
 def daemon_rounds(
     path: Path, args: argparse.Namespace, tmp: Path, prefix_cache: bool = True
 ) -> dict[str, Any]:
-    endpoint, port = f"ipc://{tmp}/end_to_end.sock", _free_port()
+    endpoint, port = f"ipc://{tmp}/end_to_end.sock", free_port()
     serve = ["--model", str(path), "--endpoints", endpoint, "--slots", str(args.n)]
     if not prefix_cache:
         serve += ["--prefix-cache", ""]
@@ -130,12 +129,6 @@ DAEMON_COUNTERS = (
     "slotserve_decode_ahead_taken_total",
     "slotserve_decode_ahead_dropped_total",
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _dtypes(args: argparse.Namespace) -> tuple[mx.Dtype, mx.Dtype]:

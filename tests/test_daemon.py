@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import pytest
 from transport import protocol as p
 from transport.client import Client, Completion, ConnectionLost, RequestError
 from transport.daemon.demo import Supervised
-from transport.metrics import scrape
+from transport.metrics import free_port, scrape
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +27,6 @@ def model(make_model: Callable[..., Path]) -> Path:
 
 def serve_args(model: Path, endpoint: str, *extra: str) -> list[str]:
     return ["--model", str(model), "--endpoints", endpoint, "--context", "256", *extra]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def run_requests(

@@ -16,6 +16,7 @@ the HTTP thread:
 
 from __future__ import annotations
 
+import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -191,3 +192,11 @@ def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
             samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return samples
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now, for a metrics endpoint a test or benchmark starts a
+    daemon with and then scrapes."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from traffic import EXPECTED, FAULT_PLAN, Traffic
 from transport import protocol as p
 from transport.client import Client
 from transport.daemon.demo import Supervised, ensure_model
-from transport.metrics import scrape
+from transport.metrics import free_port, scrape
 
 
 @dataclass(frozen=True)
@@ -152,12 +151,6 @@ class Report:
         problems = self.problems()
         lines.append("PASSED" if not problems else "FAILED:\n  " + "\n  ".join(problems))
         return "\n".join(lines)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def rss_mib(pid: int) -> float:
