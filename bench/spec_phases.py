@@ -24,14 +24,10 @@ from typing import Any
 
 import harness  # noqa: F401  (puts the repository root on sys.path)
 import mlx.core as mx
-from spec_decode import held_out_prompts
+from spec_decode import held_out_prompts, speculator
 
-from engine.cache import SlotPool
 from engine.models.qwen35 import load_model
-from engine.runner import ModelRunner
-from engine.spec.drafters import Drafter, MTPDrafter, NgramDrafter
 from engine.spec.offline import Request, generate
-from engine.spec.speculator import Speculator
 
 CONFIGS = [("plain", "off"), ("ngram", "on"), ("ngram", "auto"), ("mtp", "on"), ("mtp", "auto")]
 PHASES = ("plan", "step", "resolve", "rollback")
@@ -40,12 +36,8 @@ PHASES = ("plan", "step", "resolve", "rollback")
 def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: Any) -> dict:
     """ms per decode step by phase for one configuration (one warm-up run, then one timed)."""
     K = args.k
-    pool = SlotPool(model.config, len(prompts), args.prompt_len + args.gen + K + 1, mx.float32, K)
-    runner = ModelRunner(model, pool, compile=args.compile)
-    drafters: list[Drafter] = {"ngram": [NgramDrafter()], "mtp": [MTPDrafter(runner)]}.get(
-        drafter, []
-    )
-    spec = Speculator(runner, K, drafters)
+    spec = speculator(model, drafter, prompts, args, None)  # (spec_decode's engine)
+    runner, pool = spec.runner, spec.runner.pool
     requests = [Request(p, args.gen, speculation=mode) for p in prompts]
     generate(spec, requests)  # warm-up: kernel builds, compiled shapes, the controller
     spent: collections.Counter[str] = collections.Counter()
