@@ -92,21 +92,14 @@ def test_greedy_speculation_is_token_identical_to_plain_decoding(
         assert sum(s.accepted for s in by_mode["on"]) >= N_GEN // 2
 
 
-@pytest.mark.parametrize("drafters", ["ngram", "ngram+mtp"])
-def test_uniform_verify_rows_keep_greedy_output_and_one_shape_per_depth(
-    model: Model, solo: Callable[[list[int]], list[int]], drafters: str
-) -> None:
-    """`uniform_verify` (a compiled runner's default): in a step where any slot drafts, every
-    row feeds 1 + the deepest draft tokens — shorter drafts and plain rows padded with filler
-    that is rolled back unread — and captures; the MTP head's catch-up rows are padded alike.
-    Outputs stay those of plain decoding, and every verify step's rows are alike: one layout
-    per depth (with ragged rows the same run makes a new one nearly every step)."""
-    spec = speculator(model, drafters, 8)
-    spec.uniform_verify = True
-    for d in spec.drafters:
-        if isinstance(d, MTPDrafter):
-            d.uniform = True  # its catch-up rows too
-    verify: list[tuple[tuple[int, ...], tuple[bool, ...]]] = []
+Layout = tuple[tuple[int, ...], tuple[bool, ...]]  # a step's row lengths and capture flags
+
+
+def run_recording_layouts(
+    spec: Speculator, requests: list[Request]
+) -> tuple[list[list[int]], list[Layout], list[tuple[int, ...]]]:
+    """`generate`, recording each verify step's layout and each MTP catch-up's row lengths."""
+    verify: list[Layout] = []
     catch_up: list[tuple[int, ...]] = []
     step, draft = spec.runner.step, spec.runner.draft
 
@@ -121,16 +114,37 @@ def test_uniform_verify_rows_keep_greedy_output_and_one_shape_per_depth(
 
     spec.runner.step = recording  # type: ignore[method-assign]
     spec.runner.draft = drafting  # type: ignore[method-assign]
-    requests = [Request(p, N_GEN, speculation=m) for p, m in zip(prompts(8), MODES, strict=True)]
     run = generate(spec, requests)
-    assert run.tokens == [solo(r.prompt) for r in requests]
     assert sum(s.accepted for s in run.stats) > 0 and any(s.drafted == 0 for s in run.stats)
-    ragged = [(lengths, flags) for lengths, flags in verify if len(set(lengths)) > 1]
-    # (a row may fall short of the others only where its slot's context has no room left)
-    assert verify and not ragged and all(all(flags) for _, flags in verify)
-    assert len({lengths for lengths, _ in verify}) <= K * 8  # depths x batch sizes
-    assert ("mtp" in drafters) == bool(catch_up)
-    assert all(len(set(lengths)) == 1 for lengths in catch_up)
+    return run.tokens, verify, catch_up
+
+
+@pytest.mark.parametrize("drafters", ["ngram", "ngram+mtp"])
+def test_uniform_verify_rows_keep_greedy_output_and_make_every_layout_uniform(
+    model: Model, solo: Callable[[list[int]], list[int]], drafters: str
+) -> None:
+    """`uniform_verify` (a compiled runner's default): in a step where any slot drafts, every
+    row feeds 1 + the deepest draft tokens — shorter drafts and plain rows padded with filler
+    that is rolled back unread — and captures; the MTP head's catch-up rows are padded alike.
+    So a verify step's layout is its rows and depth only (what a compiled forward is keyed
+    on), where the same run with ragged rows mixes lengths and capture flags; outputs stay
+    those of plain decoding either way."""
+    requests = [Request(p, N_GEN, speculation=m) for p, m in zip(prompts(8), MODES, strict=True)]
+    for uniform in (True, False):
+        spec = speculator(model, drafters, 8)
+        spec.uniform_verify = uniform
+        for d in spec.drafters:
+            if isinstance(d, MTPDrafter):
+                d.uniform = uniform  # its catch-up rows too
+        tokens, verify, catch_up = run_recording_layouts(spec, requests)
+        assert tokens == [solo(r.prompt) for r in requests]
+        assert verify and ("mtp" in drafters) == bool(catch_up)
+        alike = [len(set(lengths)) == 1 and all(flags) for lengths, flags in verify]
+        # (a row may fall short of the others only where its slot's context has no room)
+        assert all(alike) if uniform else not any(alike)
+        if "mtp" in drafters:
+            same = [len(set(lengths)) == 1 for lengths in catch_up]
+            assert all(same) if uniform else not all(same)
 
 
 def test_both_drafters_together_and_slot_reuse_keep_greedy_output(
