@@ -21,20 +21,22 @@ from engine.runner import ModelRunner, Row
 PROMPTS = [[3, 9, 27, 81, 243], [5], [7, 11, 13]]
 
 
-def two_steps(path: Path, capture: bool = False) -> list[np.ndarray]:
+def two_steps(
+    path: Path, capture: bool = False, prompts: list[list[int]] = PROMPTS
+) -> list[np.ndarray]:
     """On the default device: a first step of two tokens per row, a ragged second step
-    (rows of 5, 1 and 3 tokens, optionally as capture rows), then two decode steps.
-    Returns every step's logits and the pool's state after the last."""
+    (rows of `prompts`, by default of 5, 1 and 3 tokens, optionally as capture rows), then
+    two decode steps. Returns every step's logits and the pool's state after the last."""
     model = load_model(path)
-    pool = SlotPool(model.config, 3, 32, mx.float32, max_draft=4)
+    pool = SlotPool(model.config, len(prompts), 32, mx.float32, max_draft=4)
     runner = ModelRunner(model, pool)
-    slots = [pool.allocate() for _ in PROMPTS]
+    slots = [pool.allocate() for _ in prompts]
     outs = [runner.step([Row(s, [1, 2], 0) for s in slots])]
     outs.append(
         runner.step(
             [
                 Row(s, p, 2, capture=capture, want=range(len(p)))
-                for s, p in zip(slots, PROMPTS, strict=True)
+                for s, p in zip(slots, prompts, strict=True)
             ]
         )
     )
@@ -45,10 +47,10 @@ def two_steps(path: Path, capture: bool = False) -> list[np.ndarray]:
     return logits + state
 
 
-def on_cpu(path: Path) -> list[np.ndarray]:
+def on_cpu(path: Path, prompts: list[list[int]] = PROMPTS) -> list[np.ndarray]:
     try:
         mx.set_default_device(mx.cpu)
-        return two_steps(path)
+        return two_steps(path, prompts=prompts)
     finally:
         mx.set_default_device(mx.gpu)
 

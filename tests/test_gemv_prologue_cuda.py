@@ -10,31 +10,16 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from gpu_paths import assert_as_close_as
+from gpu_paths import assert_as_close_as, on_cpu, two_steps
 
-from engine.cache import SlotPool
 from engine.gguf import QuantizedWeight, Weight
 from engine.kernels import add_norm_cuda, gemv_cuda, swiglu_cuda
 from engine.kernels.cuda import available
-from engine.models.qwen35 import load_model
-from engine.runner import ModelRunner, Row
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs MLX's CUDA backend")
 
 
-def one_row(path: Path) -> list[np.ndarray]:
-    """One sequence on the default device: a 5-token prefill, then three decode steps of
-    one row (the shape the prologues take). Every step's logits and the slot's state."""
-    model = load_model(path)
-    pool = SlotPool(model.config, 1, 32, mx.float32)
-    runner = ModelRunner(model, pool)
-    slot = pool.allocate()
-    outs = [runner.step([Row(slot, [3, 9, 27, 81, 243], 0, want=range(5))])]
-    for tok in (17, 19, 23):
-        outs.append(runner.step([Row(slot, [tok], pool.lengths[slot])]))
-    logits = [np.array(o.rows[0].logits) for o in outs]
-    state = [np.array(a) for a in (pool.k, pool.v, *pool.ssm, *pool.conv)]
-    return logits + state
+ONE = [[3, 9, 27, 81, 243]]  # one sequence: its decode steps are the one-row products
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-next"])
@@ -45,15 +30,9 @@ def test_a_model_through_the_prologues_matches_the_portable_path(
     a time-limited GPU run reaches the model before the kernel variants below are built."""
     path = make_model(preset, quant="f32")
     monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "0")
-    portable = one_row(path)
+    portable = two_steps(path, prompts=ONE)
     monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "1")
-    fused = one_row(path)
-    try:
-        mx.set_default_device(mx.cpu)
-        cpu = one_row(path)
-    finally:
-        mx.set_default_device(mx.gpu)
-    assert_as_close_as(fused, portable, cpu)
+    assert_as_close_as(two_steps(path, prompts=ONE), portable, on_cpu(path, prompts=ONE))
 
 
 def _weight(kind: str, N: int, K: int, dtype: mx.Dtype) -> Weight:
