@@ -450,12 +450,17 @@ class SlotPool:
         mx.async_eval(copies)
         return SlotCopy(n, m, copies)
 
-    def restore(self, snap: SlotSnapshot, slot: SlotId) -> None:
+    def restore(self, snap: SlotSnapshot | SlotCopy, slot: SlotId) -> None:
+        """Make the allocated `slot` exactly what the copied one was, from host memory
+        (`SlotSnapshot`) or from a device copy (`SlotCopy`: no transfer, device copies)."""
         self._check(slot)
         if snap.length > self.max_context:
             raise ContextOverflowError(
                 f"snapshot of {snap.length} tokens exceeds the context of {self.max_context}"
             )
+        if isinstance(snap, SlotCopy):
+            self._restore_copy(snap, slot)
+            return
         n = snap.length
         if len(snap.kv) != self.k.shape[0] or len(snap.conv) != self.conv.shape[0]:
             raise SlotStateError("snapshot was taken from a pool of another model")
@@ -470,6 +475,33 @@ class SlotPool:
             self.mtp_v[slot, : snap.mtp_length] = device_copy(snap.mtp_kv[1], dtype)
         self.lengths[slot], self.mtp_lengths[slot] = n, snap.mtp_length
         self._captures.pop(slot, None)
+
+    def _restore_copy(self, copy: SlotCopy, slot: SlotId) -> None:
+        n, m, at = copy.length, copy.mtp_length, slice(int(slot), int(slot) + 1)
+        every = slice(None)
+        into: list[tuple[mx.array, tuple[slice, ...]]] = [
+            (self.k, (every, at, slice(0, n))),
+            (self.v, (every, at, slice(0, n))),
+        ]
+        into += [(self.conv, (every, at)), (self.ssm, (every, at))]
+        if self.mtp_k is not None and self.mtp_v is not None:
+            into += [(self.mtp_k, (at, slice(0, m))), (self.mtp_v, (at, slice(0, m)))]
+        if len(into) != len(copy.parts) or any(
+            part.shape != _sliced_shape(a.shape, where) or part.dtype != a.dtype
+            for (a, where), part in zip(into, copy.parts, strict=False)
+        ):
+            raise SlotStateError("snapshot was taken from a pool of another model")
+        for (a, where), part in zip(into, copy.parts, strict=True):
+            if part.size:
+                a[where] = part
+        self.lengths[slot], self.mtp_lengths[slot] = n, m
+        self._captures.pop(slot, None)
+
+
+def _sliced_shape(shape: Sequence[int], where: tuple[slice, ...]) -> tuple[int, ...]:
+    """The shape of `a[where]` for an array of `shape` (slices with steps of 1 only)."""
+    head = tuple(len(range(*w.indices(d))) for d, w in zip(shape, where, strict=False))
+    return head + tuple(shape[len(where) :])
 
 
 def entry(a: mx.array, i: int) -> mx.array:

@@ -90,6 +90,7 @@ class Scheduler:
             speculator or Speculator(runner, pool.max_draft),
             config.fault_hook,
             config.decode_ahead,
+            config.prefix_cache is not None and config.prefix_cache.placement == "host",
         )
         self._queue: WaitQueue[Sequence] = WaitQueue(
             config.max_queue, config.policy, config.aging_per_s

@@ -14,9 +14,14 @@ context K/V and waiting target features) are taken
   reply back hits it) — if the slot holds no token beyond the published output.
 
 Prefill chunks end at the snapshot boundaries, so each is taken on the step thread right
-after the chunk that reaches it: copied on the device there, and moved to host memory at the
-end of the step, when the step thread has waited for the device anyway (moving it at once
-would wait for all the device has queued, a decode step queued ahead included). A request's
+after the chunk that reaches it: copied on the device there (`SlotPool.copy`, queued). By
+default (`placement="device"`) the copy is what the cache keeps, in the memory MLX computes
+in, and a hit is restored by device copies. On an H200, moving a 0.8B-shaped slot's ~19 MB
+to host memory cost the step thread ~8 ms per snapshot — half a daemon's throughput at
+N = 32 (docs/PERFORMANCE.md) — so host memory (`placement="host"`) is for a GPU whose memory
+is scarce: the copy then moves to the host at the end of the step, when the step thread has
+waited for the device anyway (moving it at once would wait for all the device has queued, a
+decode step queued ahead included). On the CPU backend both are host memory. A request's
 snapshots stay pending (counted against the budget) until it completes successfully (STOP
 or LENGTH); only then are they published in the `PrefixCache`. On admission the longest cached prefix of the prompt — at most
 all tokens but the last, whose logits the first token is sampled from — is pinned,
@@ -33,10 +38,13 @@ from engine.spec.speculator import Speculator
 from scheduler.prefix_cache import PrefixCache, PrefixCacheStats
 from scheduler.sequence import Sequence
 
+PLACEMENTS = ("device", "host")
+
 
 @dataclass(frozen=True)
 class PrefixCacheConfig:
-    """`budget_bytes`: host memory for snapshots, published and pending (0: cache off).
+    """`budget_bytes`: memory for snapshots, published and pending (0: cache off), in
+    `placement`: "device" (the memory MLX computes in: GPU memory on a GPU) or "host".
     `interval`: snapshot every this many prompt tokens (0: only at other boundaries).
     `message_ends`: snapshot after every end-of-message token of a prompt. `min_tokens`:
     the shortest prefix worth a snapshot. `per_prompt`: the most snapshots of one prompt
@@ -50,10 +58,16 @@ class PrefixCacheConfig:
     min_tokens: int = 32
     per_prompt: int = 4
     finished: bool = True
+    placement: str = "device"
 
     def __post_init__(self) -> None:
         if self.budget_bytes < 0 or self.interval < 0:
             raise ValueError("prefix cache: budget_bytes and interval must be >= 0")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"prefix cache: placement must be one of {', '.join(PLACEMENTS)}, "
+                f"got {self.placement!r}"
+            )
         if self.min_tokens < 1 or self.per_prompt < 1:
             raise ValueError("prefix cache: min_tokens and per_prompt must be >= 1")
 
@@ -61,8 +75,8 @@ class PrefixCacheConfig:
 @dataclass
 class SlotImage:
     """A slot's state at a token boundary: pool snapshot and drafter states. Captured as a
-    device copy (`SlotPool.copy`), moved to host memory by `settle` when the step has waited
-    for the device anyway; only settled images are published."""
+    device copy (`SlotPool.copy`); for a cache in host memory, moved there by `settle` when
+    the step has waited for the device anyway."""
 
     snapshot: SlotSnapshot | SlotCopy
     drafters: dict[str, DrafterState] = field(default_factory=dict)
@@ -92,8 +106,6 @@ class SlotImage:
         self, pool: SlotPool, speculator: Speculator, slot: SlotId, speculation: str
     ) -> None:
         """Make the allocated `slot` what the captured one was (step thread)."""
-        self.settle()
-        assert isinstance(self.snapshot, SlotSnapshot)
         pool.restore(self.snapshot, slot)
         speculator.adopt(slot, self.drafters, speculation)
 

@@ -184,12 +184,14 @@ class Stepper:
         speculator: Speculator,
         fault_hook: FaultHook | None = None,
         decode_ahead: bool = False,
+        images_to_host: bool = False,
     ) -> None:
         if speculator.runner is not runner:
             raise ValueError("the Speculator must drive the scheduler's own runner")
         self.runner = runner
         self.speculator = speculator
         self.fault_hook = fault_hook
+        self.images_to_host = images_to_host  # prefix-cache snapshots kept in host memory
         # Decode-ahead: after a step of plain decode rows, the next one is queued on the
         # device (on this step's tokens, drawn there, not yet read) while the host resolves
         # this one and the loop plans the next; that plan takes the queued rows it matches
@@ -219,7 +221,8 @@ class Stepper:
             done = {id(s) for s, _ in result.failed}
             everyone = plan.admit + plan.decoding + plan.prefilling
             result.failed += [(s, _describe(e)) for s in everyone if id(s) not in done]
-        self._images_to_host(result)
+        if self.images_to_host:
+            self._images_to_host(result)
         return result
 
     def release(self, slots: list[SlotId]) -> None:
@@ -327,7 +330,7 @@ class Stepper:
     def _snapshot(
         self, slots: list[tuple[Seq, SlotId]], into: list[tuple[Seq, SlotImage]], result: StepResult
     ) -> None:
-        """Host snapshots of these slots (for the prefix cache)."""
+        """Snapshots of these slots (for the prefix cache), copied on the device."""
         for seq, slot in slots:
             try:
                 into.append((seq, SlotImage.capture(self.runner.pool, self.speculator, slot)))

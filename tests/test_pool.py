@@ -143,6 +143,39 @@ def test_a_device_copy_has_buffers_of_its_own_and_keeps_the_slot_as_it_was(
     assert not snapshots_equal(pool.snapshot(a), before)
 
 
+def test_a_device_copy_restores_exactly_and_one_of_another_layout_is_refused(
+    model: Model,
+) -> None:
+    """The prefix cache keeps device copies and restores from them (no host transfer):
+    exact, whatever the source slot did since, into a pool of another context length too;
+    a copy whose arrays do not fit the pool (another K/V dtype) changes nothing."""
+    runner = new_runner(model)
+    pool = runner.pool
+    a = pool.allocate()
+    runner.step([Row(a, [4, 8, 15, 16, 23, 42], 0)])
+    want = pool.snapshot(a)
+    copy = pool.copy(a)
+    decode(runner, a, 9, 3)  # the source slot moves on
+    b, c = pool.allocate(), pool.allocate()
+    pool.restore(copy, b)
+    pool.restore(want, c)
+    got = pool.snapshot(b)
+    assert snapshots_equal(got, want) and got.mtp_length == want.mtp_length
+    assert decode(runner, b, 9, 5) == decode(runner, c, 9, 5)
+    longer = new_runner(model, n_slots=2, context=96)
+    d = longer.pool.allocate()
+    longer.pool.restore(pool.copy(c), d)
+    assert snapshots_equal(longer.pool.snapshot(d), pool.snapshot(c))
+
+    half = ModelRunner(model, SlotPool(model.config, 2, 64, mx.float16, max_draft=K))
+    e = half.pool.allocate()
+    half.step([Row(e, [1, 2, 3], 0)])
+    before = pool.snapshot(b)
+    with pytest.raises(SlotStateError, match="another model"):
+        pool.restore(half.pool.copy(e), b)
+    assert snapshots_equal(pool.snapshot(b), before)
+
+
 def test_a_bfloat16_pool_snapshots_and_restores_bit_exactly(model: Model) -> None:
     pool = SlotPool(model.config, 2, 64, mx.bfloat16, max_draft=K)
     runner = ModelRunner(model, pool)

@@ -14,11 +14,12 @@ from typing import Any
 import anyio
 import mlx.core as mx
 import numpy as np
+import pytest
 import test_scheduler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.cache import SlotPool, SlotSnapshot
+from engine.cache import SlotCopy, SlotPool, SlotSnapshot
 from engine.models.qwen35 import Model
 from engine.runner import ModelRunner
 from engine.sampling import RequestRng
@@ -35,7 +36,7 @@ from scheduler import (
     Speculation,
 )
 from scheduler.prefix_cache import PrefixCache
-from scheduler.prefix_reuse import SlotImage
+from scheduler.prefix_reuse import PLACEMENTS, SlotImage
 
 # The scheduler fixtures of test_scheduler: `new(n_slots, speculate, **config)` over a fresh
 # pool of the tiny model (contexts of 160 tokens), checking every slot is freed.
@@ -217,6 +218,7 @@ def cache_config(**kw: Any) -> PrefixCacheConfig:
     n_convs=st.integers(1, 3),
     speculate=st.booleans(),
     chunk=st.sampled_from([7, 32, 256]),
+    placement=st.sampled_from(PLACEMENTS),
 )
 def test_conversations_with_the_cache_give_the_tokens_they_give_without_it(
     new: Callable[..., Scheduler],
@@ -225,6 +227,7 @@ def test_conversations_with_the_cache_give_the_tokens_they_give_without_it(
     n_convs: int,
     speculate: bool,
     chunk: int,
+    placement: str,
 ) -> None:
     end = min(tokenizer.eog_ids)
     convs = conversations_of(seed, n_convs, 4, end)
@@ -232,9 +235,8 @@ def test_conversations_with_the_cache_give_the_tokens_they_give_without_it(
     async def both() -> None:
         plain = new(n_slots=2, speculate=speculate, max_prefill_chunk=chunk)
         want, _ = await run_conversations(plain, convs, max_tokens=12)
-        cached = new(
-            n_slots=2, speculate=speculate, max_prefill_chunk=chunk, prefix_cache=cache_config()
-        )
+        config = cache_config(placement=placement)
+        cached = new(n_slots=2, speculate=speculate, max_prefill_chunk=chunk, prefix_cache=config)
         got, finished = await run_conversations(cached, convs, max_tokens=12)
         assert got == want
         stats = cached.stats().prefix_cache
@@ -248,26 +250,32 @@ def test_conversations_with_the_cache_give_the_tokens_they_give_without_it(
     anyio.run(both)
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
 async def test_hits_restored_while_other_slots_decode_and_cancelled_requests_stay_exact(
-    new: Callable[..., Scheduler], tokenizer: Tokenizer
+    new: Callable[..., Scheduler], tokenizer: Tokenizer, placement: str
 ) -> None:
     end = min(tokenizer.eog_ids)
     convs = conversations_of(7, 3, 4, end)
     plain = new(n_slots=4, speculate=True, max_prefill_chunk=16)
     want, _ = await run_conversations(plain, convs, max_tokens=16)
-    cached = new(
-        n_slots=4, speculate=True, max_prefill_chunk=16, prefix_cache=cache_config(interval=8)
-    )
+    config = cache_config(interval=8, placement=placement)
+    cached = new(n_slots=4, speculate=True, max_prefill_chunk=16, prefix_cache=config)
     got, finished = await run_conversations(cached, convs, max_tokens=16, cancel_every=2)
     assert got == want
     assert sum(f.reason == FinishReason.CANCELLED for f in finished) > 0
     assert cached.stats().prefix_cache.hits > 0
     assert all(e.pins == 0 for e in _entries(cached))
-    # taken as device copies, published in host memory (the budget counts host bytes)
-    assert all(isinstance(e.image.snapshot, SlotSnapshot) for e in _entries(cached))
+    # taken as device copies; published as they are ("device") or in host memory ("host")
+    kind, rows = (SlotCopy, mx.array) if placement == "device" else (SlotSnapshot, np.ndarray)
+    assert all(isinstance(e.image.snapshot, kind) for e in _entries(cached))
     tails = [s for e in _entries(cached) for s in e.image.drafters.values()]
     assert tails and all(isinstance(t, _HostTail) and t.n for t in tails)
-    assert all(isinstance(t.rows, np.ndarray) for t in tails)  # the MTP head's hidden rows
+    assert all(isinstance(t.rows, rows) for t in tails)  # the MTP head's hidden rows
+
+
+def test_an_unknown_placement_is_refused() -> None:
+    with pytest.raises(ValueError, match="placement must be one of device, host"):
+        cache_config(placement="disk")
 
 
 async def test_the_budget_holds_under_pressure_and_evicts(

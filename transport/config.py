@@ -23,6 +23,7 @@ ENV_PREFIX = "SLOTSERVE_"
 LOG_FORMATS = ("plain", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SPECULATION = ("off", "auto")
+PLACEMENTS = ("device", "host")  # scheduler.prefix_reuse.PLACEMENTS (no MLX import here)
 WEIGHTS = ("stored", "dense")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPILE = ("auto", "off", "on")
@@ -50,8 +51,9 @@ class DaemonConfig:
     speculation: str = "auto"  # "off": never draft; "auto": the cost controller decides
     draft_depth: int = 4  # the most draft tokens a slot verifies per step
     dflash: Path | None = None  # a DFlash block drafter GGUF made for `model`; None = none
-    prefix_cache: int | None = 1 << 30  # bytes of host memory for cached prefixes; None = off
+    prefix_cache: int | None = 1 << 30  # bytes for cached prefixes; None = off
     prefix_cache_interval: int = 1024  # snapshot long prompts every this many tokens; 0 = never
+    prefix_cache_placement: str = "device"  # where snapshots live: "device" or "host" memory
     log_format: str = "plain"
     log_level: str = "info"
     log_file: Path | None = None  # None = stderr
@@ -206,8 +208,13 @@ KEYS = (
     Key("speculation", _choice(SPECULATION), "speculative decoding: off or auto"),
     Key("draft_depth", _positive_int, "most draft tokens verified per slot and step"),
     Key("dflash", _optional_file, 'a DFlash block drafter GGUF made for the model ("" = none)'),
-    Key("prefix_cache", _bytes, 'host memory for the prefix cache, e.g. "1GiB" ("" = off)'),
+    Key("prefix_cache", _bytes, 'memory for the prefix cache, e.g. "1GiB" ("" = off)'),
     Key("prefix_cache_interval", _count, "snapshot long prompts every N tokens (0 = never)"),
+    Key(
+        "prefix_cache_placement",
+        _choice(PLACEMENTS),
+        "where snapshots live: device (GPU memory on a GPU) or host memory",
+    ),
     Key("log_format", _choice(LOG_FORMATS), "plain text or JSON lines"),
     Key("log_level", _choice(LOG_LEVELS), "least severe level logged"),
     Key("log_file", _optional_path, "append logs here, reopened on SIGHUP (default: stderr)"),

@@ -82,7 +82,7 @@ class _SnapshotCollector(Collector):
             (CounterMetricFamily, "hits", "Prompts resumed from a cached prefix", pc.hits),
             (GaugeMetricFamily, "hit_ratio", "Hits per lookup since start", pc.hit_rate),
             (CounterMetricFamily, "tokens_saved", "Prompt tokens not prefilled", pc.tokens_saved),
-            (GaugeMetricFamily, "bytes", "Host memory held by snapshots", pc.bytes_held),
+            (GaugeMetricFamily, "bytes", "Memory held by snapshots", pc.bytes_held),
             (GaugeMetricFamily, "budget_bytes", "The cache's memory budget", pc.budget_bytes),
             (CounterMetricFamily, "evictions", "Snapshots evicted", pc.evictions),
         ):

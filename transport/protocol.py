@@ -276,7 +276,7 @@ class Stats(_Message, tag=22):
     prefix_lookups: Uint = 0  # prompts looked up
     prefix_hits: Uint = 0  # of which resumed from a cached prefix
     prefix_tokens_saved: Uint = 0  # prompt tokens not prefilled thanks to hits
-    prefix_bytes: Uint = 0  # host memory held by cached prefixes
+    prefix_bytes: Uint = 0  # memory held by cached prefixes (device or host: the placement)
     prefix_evictions: Uint = 0
 
 

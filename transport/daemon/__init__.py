@@ -117,7 +117,11 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
         shutdown_grace_s=config.drain_timeout,
         prefix_cache=None
         if config.prefix_cache is None
-        else s.PrefixCacheConfig(config.prefix_cache, config.prefix_cache_interval),
+        else s.PrefixCacheConfig(
+            config.prefix_cache,
+            config.prefix_cache_interval,
+            placement=config.prefix_cache_placement,
+        ),
         fault_hook=faults.from_environment(os.environ),  # test-only; None unless set
         decode_ahead=on_a_gpu_if_auto(config.decode_ahead),
     )
