@@ -3,7 +3,10 @@ process for the clients) cost over the bare engine, on the same model, BLAS and 
 
 Workload: rounds of N requests of `--prompt` random tokens, `--tokens` greedy tokens each
 (no EOS stop, speculation off), all N arriving together. Three ways, `--rounds` timed rounds
-each after one untimed round:
+each after `--warmup-rounds` untimed ones (default 2: a compiled runner compiles a batch
+shape the second time it comes — `ModelRunner.COMPILE_AFTER` — so with one warm-up round
+the first timed round paid the compile of the N-prompt prefill; on a fresh H200 that was a
+5.3 s stall of every request's first token in the scheduler row, session 9):
 
 * engine: `ModelRunner` alone (bench/peers.py `Ours`): per round one batched prefill of the
   N prompts, then `tokens - 1` batched decode steps, argmax on the device;
@@ -48,14 +51,14 @@ def engine_rounds(path: Path, args: argparse.Namespace, vocab: int) -> dict[str,
     names = [str(d).rsplit(".", 1)[-1] for d in (dtype, kv)]
     ours = Ours(path, dtype=names[0], kv_dtype=names[1], compile=on_a_gpu_if_auto(args.compile))
     walls = []
-    for r in range(args.rounds + 1):
+    for r in range(args.warmup_rounds + args.rounds):
         prompts = [harness.prompt_tokens(args.prompt, 1000 * r + i, vocab) for i in range(args.n)]
         t0 = time.perf_counter()
         ours.start(args.n, args.prompt + args.tokens)
         toks = [int(t) for t in np.argmax(ours.prefill(prompts), axis=-1)]
         for _ in range(args.tokens - 1):
             toks = ours.greedy(toks)  # argmax on the device, as the scheduler's
-        if r:
+        if r >= args.warmup_rounds:
             walls.append(time.perf_counter() - t0)
     return {"tokens": args.n * args.tokens * args.rounds, "wall_s": sum(walls)}
 
@@ -69,13 +72,13 @@ async def scheduler_rounds(path: Path, args: argparse.Namespace) -> dict[str, An
     ttft: list[float] = []
     tokens, wall = 0, 0.0
     async with scheduler.running():
-        for r in range(args.rounds + 1):
+        for r in range(args.warmup_rounds + args.rounds):
             t0 = time.perf_counter()
             handles = [
                 scheduler.submit(bench.request(args.prompt, args.tokens)) for _ in range(args.n)
             ]
             results = [await h.collect() for h in handles]
-            if r:
+            if r >= args.warmup_rounds:
                 wall += time.perf_counter() - t0
                 tokens += sum(len(x.token_ids) for x in results)
                 ttft += [x.finished.timings.ttft_s or 0.0 for x in results]
@@ -102,7 +105,8 @@ def daemon_rounds(
 
     timed = config(args.n * args.rounds)
     with Supervised(serve, endpoint):
-        load(config(args.n))  # warm-up round
+        for _ in range(args.warmup_rounds):
+            load(config(args.n))
         before = scrape(port)
         records = load(timed)
         time.sleep(0.6)  # the daemon's metrics snapshot its scheduler every 0.5 s
@@ -171,7 +175,7 @@ def main() -> None:
     print(
         f"\n{path.name} on {mx.default_device()}, {_dtypes(args)[0]}, compiled steps "
         f"{on_a_gpu_if_auto(args.compile)}, blas {args.blas}, N = {args.n}, {args.prompt}-token prompts, "
-        f"{args.tokens} tokens each, {args.rounds} rounds, decode-ahead {args.decode_ahead}\n"
+        f"{args.tokens} tokens each, {args.rounds} rounds after {args.warmup_rounds} untimed, decode-ahead {args.decode_ahead}\n"
     )
     header = ["path", "tokens", "tok/s", "/ engine", "TTFT p50 ms", "TTFT p95 ms"]
     print(harness.markdown_table(header, table))
@@ -198,6 +202,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens per request")
     p.add_argument("--tokens", type=int, default=64, help="generated tokens per request")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of N requests")
+    p.add_argument("--warmup-rounds", type=int, default=2, help="untimed rounds before them")
     p.add_argument("--blas", default=harness.default_blas(), help="bundled | openblas | a path")
     p.add_argument("--dtype", default="auto", help="the daemon's dtype setting, for all three")
     p.add_argument("--compile", default="auto", help="the daemon's compile setting, for all three")
