@@ -463,20 +463,26 @@ class ModelRunner:
         return out
 
     def draft_chain(
-        self, rows: Sequence[ChainRow], shaping: Shaping
+        self, rows: Sequence[ChainRow], shaping: Shaping, depth: int | None = None
     ) -> list[tuple[list[int], mx.array]]:
         """Every row's MTP draft chain in one graph, evaluated once; `shaping` (one row per
         chain) makes each depth's distribution q. The head's K/V of the deeper forwards is
         written to the pool at `start ..` (provisional entries, as `draft` writes them).
-        Per row: (its `depth` tokens, q `[depth, V]`)."""
+        Per row: (its `depth` tokens, q `[depth, V]`). `depth`: how deep the graph draws
+        (default: the deepest row) — a fixed depth keeps one compiled shape whatever the
+        rows' depths; what a row draws past its own (a row of depth 0: all) is dropped."""
         self._mtp()
         slots = self._validate([r.slot for r in rows])
         starts = [r.start for r in rows]
         for r in rows:
-            if not 1 <= r.depth <= len(r.uniforms):
+            if not 0 <= r.depth <= len(r.uniforms):
                 raise BatchError(f"slot {r.slot}: a chain of {r.depth} draws")
-            self._check_mtp_room(r.slot, r.start + r.depth - 1)
-        K = max(r.depth for r in rows)
+            if r.depth:
+                self._check_mtp_room(r.slot, r.start + r.depth - 1)
+        deepest = max(r.depth for r in rows)
+        K = deepest if depth is None else depth
+        if not 1 <= deepest <= K:
+            raise BatchError(f"a chain {K} deep for rows up to {deepest} deep")
         layout = Layout.build([1] * len(rows), starts)
         kv: list[mx.array] = []
         past = 0
@@ -500,7 +506,8 @@ class ModelRunner:
         mx.eval(tokens, q, ks, vs)  # before the pool changes, as in `step`
         deep = [b for b, r in enumerate(rows) if r.depth > 1]
         if deep:
-            k, v = mx.concatenate(ks, axis=1), mx.concatenate(vs, axis=1)
+            k = mx.concatenate(ks[: deepest - 1], axis=1)
+            v = mx.concatenate(vs[: deepest - 1], axis=1)
             if len(deep) < len(rows):  # (an integer index is a gather: only when needed)
                 at = mx.array(deep, dtype=mx.int32)
                 k, v = k[at], v[at]

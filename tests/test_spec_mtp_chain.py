@@ -40,8 +40,8 @@ class RecordingMTPDrafter(MTPDrafter):
     """The real drafter, keeping every draft it hands out and what each slot's MTP K/V in
     the pool was right after it (the drafts' provisional entries included)."""
 
-    def __init__(self, runner: ModelRunner, on_device: bool) -> None:
-        super().__init__(runner, on_device=on_device)
+    def __init__(self, runner: ModelRunner, on_device: bool, uniform: bool) -> None:
+        super().__init__(runner, on_device=on_device, uniform=uniform)
         self.rounds: list[list[Draft]] = []
         self.kv: list[list[SlotSnapshot]] = []
 
@@ -53,14 +53,19 @@ class RecordingMTPDrafter(MTPDrafter):
 
 
 def decode(
-    model: Model, on_device: bool, compile: bool, slots: Sequence[tuple[SamplingParams, int]]
+    model: Model,
+    on_device: bool,
+    compile: bool,
+    slots: Sequence[tuple[SamplingParams, int]],
+    uniform: bool = False,
 ) -> tuple[RecordingMTPDrafter, list[list[int]], list[SlotId], SlotPool]:
     """ROUNDS speculative steps of every slot ("on", capped at its depth) after a prefill
-    of a prompt of its own; the drafter, each slot's tokens, the slots, the pool."""
+    of a prompt of its own; the drafter, each slot's tokens, the slots, the pool.
+    `uniform`: the drafter's uniform rounds (`MTPDrafter.uniform`)."""
     pool = SlotPool(model.config, len(slots), 96, mx.float32, max_draft=K)
     runner = ModelRunner(model, pool, compile=compile)
     runner.compile_after = 1  # compiled: every shape's first step too, not only recurring ones
-    drafter = RecordingMTPDrafter(runner, on_device=on_device)
+    drafter = RecordingMTPDrafter(runner, on_device=on_device, uniform=uniform)
     spec = Speculator(runner, K, [drafter])
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(0, 512, 5 + 3 * i)] for i in range(len(slots))]
@@ -82,17 +87,43 @@ def decode(
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_the_chain_draws_the_per_depth_paths_drafts_and_q(model: Model, compile: bool) -> None:
-    chain, chain_out, chain_slots, chain_pool = decode(model, True, compile, SLOTS)
-    ref, ref_out, ref_slots, ref_pool = decode(model, False, compile, SLOTS)
-    assert [len(d.tokens) for d in chain.rounds[0]] == [k for _, k in SLOTS]
+    chained, per_depth = decode(model, True, compile, SLOTS), decode(model, False, compile, SLOTS)
+    assert_same_rounds(SLOTS, chained, per_depth)
+
+
+def test_a_uniform_chain_draws_what_the_per_depth_path_draws(model: Model) -> None:
+    """Uniform rounds (a compiled runner's default on a GPU): catch-up rows padded to K + 1,
+    one chain over every slot, as deep as the deepest draft's bucket, a slot that drafts
+    nothing (a depth cap of 0) riding along. What the padding computes is read by nothing
+    and takes no uniform: the same drafts, q, outputs and MTP K/V as the per-depth path."""
+    slots = [*SLOTS, (WARM, 0)]
+    uniform = decode(model, True, True, slots, uniform=True)
+    assert_same_rounds(slots, uniform, decode(model, False, True, slots))
+
+
+Decoded = tuple[RecordingMTPDrafter, list[list[int]], list[SlotId], SlotPool]
+
+
+def assert_same_rounds(
+    slots: Sequence[tuple[SamplingParams, int]], got: Decoded, want: Decoded
+) -> None:
+    """Two `decode`s of `slots` drafted alike round after round (each slot its cap deep at
+    first; sampled slots really sampling), committed the same tokens and left the same MTP
+    K/V in the pool after every round and at the end."""
+    chain, chain_out, chain_slots, chain_pool = got
+    ref, ref_out, ref_slots, ref_pool = want
+    assert [len(d.tokens) for d in chain.rounds[0]] == [k for _, k in slots]
     assert len(chain.rounds) == len(ref.rounds) == ROUNDS
     for a_round, b_round in zip(chain.rounds, ref.rounds, strict=True):
         for a, b in zip(a_round, b_round, strict=True):
             assert a.tokens == b.tokens
+            if not a.tokens:  # a slot that drafts nothing
+                assert a.q is None and b.q is None
+                continue
             assert a.q is not None and b.q is not None
             np.testing.assert_allclose(np.array(a.q), np.array(b.q), rtol=0, atol=1e-6)
     # Sampled slots really sampled: some draft is not the argmax of its q.
-    sampled = [d for r in chain.rounds for d, (p, _) in zip(r, SLOTS, strict=True) if not p.greedy]
+    sampled = [d for r in chain.rounds for d, (p, _) in zip(r, slots, strict=True) if not p.greedy]
     assert any(
         t != int(np.argmax(np.array(d.q)[i]))
         for d in sampled
@@ -108,10 +139,10 @@ def test_the_chain_draws_the_per_depth_paths_drafts_and_q(model: Model, compile:
         [ref_pool.snapshot(s) for s in ref_slots],
         strict=True,
     )
-    for got, want in [*after_drafts, *at_end]:
-        assert got.mtp_length == want.mtp_length
-        assert got.mtp_kv is not None and want.mtp_kv is not None
-        for x, y in zip(got.mtp_kv, want.mtp_kv, strict=True):
+    for x_snap, y_snap in [*after_drafts, *at_end]:
+        assert x_snap.mtp_length == y_snap.mtp_length
+        assert x_snap.mtp_kv is not None and y_snap.mtp_kv is not None
+        for x, y in zip(x_snap.mtp_kv, y_snap.mtp_kv, strict=True):
             np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
 
 

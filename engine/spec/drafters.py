@@ -235,10 +235,12 @@ class MTPDrafter(Drafter):
         self.runner = runner
         self.max_backlog = max_backlog
         self.on_device = on_device
-        # uniform catch-ups (default: a compiled runner on a GPU): every row of a catch-up
-        # call as long as the longest, filler rolled back — one compiled shape per width,
-        # where the slots' ragged backlogs (what each accepted) made a new one nearly every
-        # step
+        # uniform shapes (default: a compiled runner on a GPU), so a round meets the same two
+        # compiled shapes step after step (per batch width and past bucket), where ragged rows,
+        # the widest backlog (what the slots accepted) and the deepest draft made new ones
+        # nearly every step: every catch-up row as long as `width` of the longest (filler rolled
+        # back), and the draft chain `depth` deep with every live slot a row (the draws past a
+        # slot's depth, and those of a slot not drafting, read by nothing)
         self.uniform = uniform_shapes(runner) if uniform is None else uniform
         self._tails: dict[SlotId, _Tail] = {}
 
@@ -293,18 +295,18 @@ class MTPDrafter(Drafter):
         ends = [len(r.tokens) for r in rows]
         self.caught_up = max(ends)
         if self.uniform:
-            rows = _padded(rows, self.caught_up, self.runner.pool.max_context)
+            rows = _padded(rows, self.width(self.caught_up), self.runner.pool.max_context)
         drafted = self.runner.draft(rows)
         for r, n in zip(rows, ends, strict=True):
             if len(r.tokens) > n:  # the filler's entries are not the head's to keep
                 self.runner.pool.truncate_mtp(r.slot, r.start + n)
-        chains = [
+        caught = [
             _Chain(jobs[i], out[i], logits[n - 1 : n], hidden[n - 1 : n])
             for i, n, (logits, hidden) in zip(live, ends, drafted, strict=True)
-            if jobs[i].k
         ]
+        chains = [c for c in caught if c.job.k]
         if self.on_device:
-            self._chain([c for c in chains if _drawn_on_device(c)])
+            self._chain([c for c in (caught if self.uniform else chains) if _drawn_on_device(c)])
             chains = [c for c in chains if not _drawn_on_device(c)]
         for depth in range(max((c.job.k for c in chains), default=0)):
             going = [c for c in chains if c.job.k > depth]
@@ -321,19 +323,36 @@ class MTPDrafter(Drafter):
             c.draft.q = mx.stack(c.qs)
         return out
 
+    def width(self, n: int) -> int:
+        """How long uniform catch-up rows are when the longest needs `n`: one verify step's
+        most (the pool's capture depth + 1), else the next power of two (a backlog)."""
+        steady = self.runner.pool.max_draft + 1
+        return steady if n <= steady else 1 << (n - 1).bit_length()
+
+    def depth(self, k: int) -> int:
+        """How deep a uniform draft chain draws when the deepest draft is `k`: the next power
+        of two, at most the pool's capture depth — a few shapes, where a fixed depth would
+        make a round of k = 1 pay for every depth (on a GPU, ~2 plain steps at K = 4)."""
+        return min(1 << (k - 1).bit_length(), max(k, self.runner.pool.max_draft))
+
     def _chain(self, chains: list[_Chain]) -> None:
         """Draw every chain's whole draft in one `draft_chain`, each slot's k uniforms
-        taken up front (the ones `_sample` would take depth by depth)."""
-        if not chains:
+        taken up front (the ones `_sample` would take depth by depth). A chain of k = 0
+        (a uniform round's rider) draws nothing."""
+        if not any(c.job.k for c in chains):
             return
         rows = []
         for c in chains:
             assert c.hidden is not None
             j = c.job
-            rows.append(ChainRow(j.d.slot, c.logits, c.hidden, j.length, j.k, j.d.rng.uniform(j.k)))
+            u = j.d.rng.uniform(j.k) if j.k else np.zeros(0)
+            rows.append(ChainRow(j.d.slot, c.logits, c.hidden, j.length, j.k, u))
         shaping = Shaping.of([c.job.d.params for c in chains])
-        for c, (tokens, q) in zip(chains, self.runner.draft_chain(rows, shaping), strict=True):
-            c.draft.tokens, c.draft.q = tokens, q
+        depth = self.depth(max(r.depth for r in rows)) if self.uniform else None
+        drawn = self.runner.draft_chain(rows, shaping, depth)
+        for c, (tokens, q) in zip(chains, drawn, strict=True):
+            if c.job.k:
+                c.draft.tokens, c.draft.q = tokens, q
 
 
 def _padded(rows: list[DraftRow], width: int, context: int) -> list[DraftRow]:
