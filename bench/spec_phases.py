@@ -7,7 +7,11 @@ N = 8 on the demo model); this splits it before anything is changed for it. Timi
 the Speculator's `plan` / `resolve`, the runner's `step` (decode steps only: rows of at
 most K + 1 tokens) and the pool's `rollback_many`: BENCHMARK ONLY. Each phase's time
 includes any wait for the device it makes (the resolve's first read of the logits waits
-for the forward and the LM head).
+for the forward and the LM head). `new shapes`: forwards (trunk and MTP head) of a batch shape
+the compiled runner had not compiled before the timed run — each ran eagerly or was compiled
+there (one warm-up run: a shape it met once is compiled in the timed run), and on a GPU costs
+tens to thousands of ms. `--uniform` forces uniform rows (the default of a compiled runner on
+a GPU) on any device.
 
     python bench/spec_phases.py --model models/slotserve-demo.gguf --ids IDS --n 8 --compile
 """
@@ -27,6 +31,7 @@ import mlx.core as mx
 from spec_decode import held_out_prompts, speculator
 
 from engine.models.qwen35 import load_model
+from engine.spec.drafters import MTPDrafter
 from engine.spec.offline import Request, generate
 
 CONFIGS = [("plain", "off"), ("ngram", "on"), ("ngram", "auto"), ("mtp", "on"), ("mtp", "auto")]
@@ -38,6 +43,11 @@ def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: 
     K = args.k
     spec = speculator(model, drafter, prompts, args, None)  # (spec_decode's engine)
     runner, pool = spec.runner, spec.runner.pool
+    if args.uniform:  # a GPU's default shapes, on any device
+        spec.uniform_verify = True
+        for d in spec.drafters:
+            if isinstance(d, MTPDrafter):
+                d.uniform = True
     requests = [Request(p, args.gen, speculation=mode) for p in prompts]
     generate(spec, requests)  # warm-up: kernel builds, compiled shapes, the controller
     spent: collections.Counter[str] = collections.Counter()
@@ -58,6 +68,7 @@ def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: 
     timed(runner, "step", "step", decode_only=True)
     timed(spec, "resolve", "resolve")
     timed(pool, "rollback_many", "rollback")
+    cold = runner.cold_steps
     run = generate(spec, requests)
     steps = max(run.steps, 1)
     return {
@@ -65,6 +76,7 @@ def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: 
         "mode": mode,
         "steps": run.steps,
         "decode_ms": 1000 * run.decode_s,
+        "new_shapes": runner.cold_steps - cold,
         "ms_per_step": {k: 1000 * spent[k] / steps for k in PHASES},
     }
 
@@ -78,6 +90,7 @@ def main() -> None:
     p.add_argument("--gen", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--uniform", action="store_true", help="uniform rows (a GPU's default)")
     p.add_argument("--configs", default=",".join(f"{d}:{m}" for d, m in CONFIGS))
     p.add_argument("--json", type=Path)
     args = p.parse_args()
@@ -88,17 +101,18 @@ def main() -> None:
         f"{args.model.name}, N = {args.n}, K = {args.k}, {args.gen} tokens, {mx.default_device()}"
     )
     print(
-        "| drafter | mode | steps | decode ms | "
+        "| drafter | mode | steps | new shapes | decode ms | "
         + " | ".join(f"{k} ms/step" for k in PHASES)
         + " |"
     )
-    print("|---|---|---|---|" + "---|" * len(PHASES))
+    print("|---|---|---|---|---|" + "---|" * len(PHASES))
     for config in args.configs.split(","):
         drafter, mode = config.split(":")
         r = phases(model, prompts, drafter, mode, args)
         rows.append(r)
         cells = " | ".join(f"{r['ms_per_step'][k]:.2f}" for k in PHASES)
-        print(f"| {drafter} | {mode} | {r['steps']} | {r['decode_ms']:.1f} | {cells} |", flush=True)
+        head = f"| {drafter} | {mode} | {r['steps']} | {r['new_shapes']} | {r['decode_ms']:.1f}"
+        print(f"{head} | {cells} |", flush=True)
     if args.json:
         args.json.write_text(
             json.dumps(
