@@ -55,6 +55,16 @@ _PREPARE = """
     for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, off);
     const float inv = rsqrtf(ss / D + EPS);
     const float* w = is_q ? q_norm : k_norm;
+    // Every global load before the first global store (the compiler cannot tell the outputs
+    // from the inputs, so a load after a store would wait for it, one round trip each).
+    float om[PER], vv[PER];
+    #pragma unroll
+    for (int e = 0; e < PER; ++e) {
+        const int j = lane + 32 * e;
+        om[e] = j < ROPE_DIM ? omega[j < HALF ? j : j - HALF] : 0.0f;
+        vv[e] = is_q ? 0.0f
+            : static_cast<float>(proj[long(n) * W + 2 * H * D + HKV * D + kvh * D + j]);
+    }
     #pragma unroll
     for (int e = 0; e < PER; ++e) y[lane + 32 * e] = x[e] * inv * w[lane + 32 * e];
     __syncwarp();
@@ -65,15 +75,14 @@ _PREPARE = """
         if (j < ROPE_DIM) {
             const int i = j < HALF ? j : j - HALF;
             float sn, cs;
-            sincosf(float(pos) * omega[i], &sn, &cs);
+            sincosf(float(pos) * om[e], &sn, &cs);
             r = j < HALF ? y[j] * cs - y[j + HALF] * sn : y[j] * cs + y[i] * sn;
         }
         if (is_q) {
             q_out[(long(n) * H + head) * D + j] = static_cast<OUT_T>(r);
         } else {
             k_out[(long(n) * HKV + kvh) * D + j] = static_cast<KV_T>(r);
-            v_out[(long(n) * HKV + kvh) * D + j] =
-                static_cast<KV_T>(proj[long(n) * W + 2 * H * D + HKV * D + kvh * D + j]);
+            v_out[(long(n) * HKV + kvh) * D + j] = static_cast<KV_T>(vv[e]);
         }
     }
 """

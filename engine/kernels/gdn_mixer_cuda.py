@@ -68,11 +68,28 @@ _SOURCE = """
     };
 
     // The new conv state: window[n_b : n_b + KC - 1], all channels, spread over the
-    // row's HV blocks.
-    for (int c = h * blockDim.x + threadIdx.x; c < CC; c += HV * blockDim.x) {
+    // row's HV blocks (CPT channels a thread). Every load before any store: the compiler
+    // cannot tell conv_out from the inputs, so a load after a store would wait for it —
+    // a memory round trip per value, several microseconds of a decode step's mixer.
+    constexpr int NT = 32 * NW;  // the block's threads
+    constexpr int CPT = (CC + HV * NT - 1) / (HV * NT);
+    {
+        float keep[CPT][KC - 1];
         #pragma unroll
-        for (int j = 0; j < KC - 1; ++j)
-            conv_out[(long(b) * (KC - 1) + j) * CC + c] = win(c, n_b + j);
+        for (int i = 0; i < CPT; ++i) {
+            const int c = h * NT + threadIdx.x + i * HV * NT;
+            #pragma unroll
+            for (int j = 0; j < KC - 1; ++j) keep[i][j] = c < CC ? win(c, n_b + j) : 0.0f;
+        }
+        #pragma unroll
+        for (int i = 0; i < CPT; ++i) {
+            const int c = h * NT + threadIdx.x + i * HV * NT;
+            if (c < CC) {
+                #pragma unroll
+                for (int j = 0; j < KC - 1; ++j)
+                    conv_out[(long(b) * (KC - 1) + j) * CC + c] = keep[i][j];
+            }
+        }
     }
 /*CAPTURE_WINDOW*/
 
@@ -169,10 +186,25 @@ _SOURCE = """
 _CAPTURE = {
     "/*CAPTURE_WINDOW*/": """
     const int cj = cap_index[b];
-    if (cj >= 0) {
-        for (int c = h * blockDim.x + threadIdx.x; c < CC; c += HV * blockDim.x)
-            for (int pos = 0; pos < KC - 1 + T; ++pos)
-                cap_window[(long(cj) * (KC - 1 + T) + pos) * CC + c] = win(c, pos);
+    if (cj >= 0) {  // loads first, 8 positions at a time (see the conv state above)
+        const int P = KC - 1 + T;
+        for (int p0 = 0; p0 < P; p0 += 8) {
+            float vals[CPT][8];
+            #pragma unroll
+            for (int i = 0; i < CPT; ++i) {
+                const int c = h * NT + threadIdx.x + i * HV * NT;
+                #pragma unroll
+                for (int q = 0; q < 8; ++q) vals[i][q] = c < CC && p0 + q < P ? win(c, p0 + q) : 0.0f;
+            }
+            #pragma unroll
+            for (int i = 0; i < CPT; ++i) {
+                const int c = h * NT + threadIdx.x + i * HV * NT;
+                #pragma unroll
+                for (int q = 0; q < 8; ++q)
+                    if (c < CC && p0 + q < P)
+                        cap_window[(long(cj) * P + p0 + q) * CC + c] = vals[i][q];
+            }
+        }
     }
 """,
     "/*CAPTURE_STATE_0*/": """
