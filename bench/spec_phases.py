@@ -9,9 +9,11 @@ most K + 1 tokens) and the pool's `rollback_many`: BENCHMARK ONLY. Each phase's 
 includes any wait for the device it makes (the resolve's first read of the logits waits
 for the forward and the LM head). `new shapes`: forwards (trunk and MTP head) of a batch shape
 the compiled runner had not compiled before the timed run — each ran eagerly or was compiled
-there (one warm-up run: a shape it met once is compiled in the timed run), and on a GPU costs
-tens to thousands of ms. `--uniform` forces uniform rows (the default of a compiled runner on
-a GPU) on any device.
+there, and on a GPU costs tens to thousands of ms. `--warmup` runs come first (default 2: a
+compiled runner compiles a shape the second time it comes, so after one warm-up run every
+shape met once is compiled inside the timed run — session 9's MTP plan of 249-328 ms a step
+on the H200 was mostly that). `--uniform` forces uniform rows (the default of a compiled
+runner on a GPU) on any device.
 
     python bench/spec_phases.py --model models/slotserve-demo.gguf --ids IDS --n 8 --compile
 """
@@ -39,7 +41,7 @@ PHASES = ("plan", "step", "resolve", "rollback")
 
 
 def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: Any) -> dict:
-    """ms per decode step by phase for one configuration (one warm-up run, then one timed)."""
+    """ms per decode step by phase for one configuration (`args.warmup` runs, then one timed)."""
     K = args.k
     spec = speculator(model, drafter, prompts, args, None)  # (spec_decode's engine)
     runner, pool = spec.runner, spec.runner.pool
@@ -49,7 +51,8 @@ def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: 
             if isinstance(d, MTPDrafter):
                 d.uniform = True
     requests = [Request(p, args.gen, speculation=mode) for p in prompts]
-    generate(spec, requests)  # warm-up: kernel builds, compiled shapes, the controller
+    for _ in range(args.warmup):  # kernel builds, compiled shapes, the controller
+        generate(spec, requests)
     spent: collections.Counter[str] = collections.Counter()
 
     def timed(owner: object, name: str, label: str, decode_only: bool = False) -> None:
@@ -90,6 +93,7 @@ def main() -> None:
     p.add_argument("--gen", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--warmup", type=int, default=2, help="untimed runs first")
     p.add_argument("--uniform", action="store_true", help="uniform rows (a GPU's default)")
     p.add_argument("--configs", default=",".join(f"{d}:{m}" for d, m in CONFIGS))
     p.add_argument("--json", type=Path)
