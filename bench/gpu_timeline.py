@@ -10,6 +10,9 @@ the most time, grouped by name. Needs torch with CUDA beside MLX's CUDA backend.
 
     python bench/gpu_timeline.py --preset qwen3.5-0.8b --quant f16 --dtype bf16 --n 1,8 \
         --model-dir MODELS --json OUT.json --trace-dir OUT/
+
+`--verify K` times speculative verify steps instead (rows of K + 1 tokens with per-position
+capture, then the pool's rollback to one kept token), to set beside the plain step.
 """
 
 from __future__ import annotations
@@ -121,10 +124,10 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     model = Model(GGUFFile(path), DTYPES[args.dtype])
     rng = np.random.default_rng(0)
     out_all: dict[str, Any] = {"model": path.name, "dtype": args.dtype, "by_n": {}}
+    K = args.verify
     for n in args.n:
-        pool = SlotPool(
-            model.config, n, args.prompt + args.warmup + args.steps + 8, DTYPES[args.dtype]
-        )
+        context = args.prompt + args.warmup + 2 * args.steps + args.verify + 8
+        pool = SlotPool(model.config, n, context, DTYPES[args.dtype], max_draft=args.verify)
         runner = ModelRunner(model, pool, compile=not args.no_compile)
         slots = [pool.allocate() for _ in range(n)]
         prompts = [[int(t) for t in rng.integers(0, 32000, args.prompt)] for _ in slots]
@@ -133,9 +136,19 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
 
         def step(runner: ModelRunner, slots: list[SlotId], toks: list[int]) -> list[int]:
             lengths = runner.pool.lengths
-            rows = [Row(s, [t], lengths[s]) for s, t in zip(slots, toks, strict=True)]
+            if not K:
+                rows = [Row(s, [t], lengths[s]) for s, t in zip(slots, toks, strict=True)]
+                out = runner.step(rows)
+                return [int(t) for t in mx.argmax(last_logits(out.rows), axis=-1).tolist()]
+            # a verify step: K drafts (the token repeated) with capture, none accepted
+            rows = [
+                Row(s, [t] * (K + 1), lengths[s], capture=True, want=[0])
+                for s, t in zip(slots, toks, strict=True)
+            ]
             out = runner.step(rows)
-            return [int(t) for t in mx.argmax(last_logits(out.rows), axis=-1).tolist()]
+            nxt = [int(t) for t in mx.argmax(last_logits(out.rows), axis=-1).tolist()]
+            runner.pool.rollback_many([(s, 1) for s in slots])
+            return nxt
 
         for _ in range(args.warmup):
             toks = step(runner, slots, toks)
@@ -185,6 +198,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument(
+        "--verify",
+        type=int,
+        default=0,
+        help="time verify steps instead: K drafts a row with capture, rolled back to one token",
+    )
     p.add_argument("--trace-dir", default="out/timeline")
     p.add_argument("--json")
     args = p.parse_args(argv)
