@@ -125,6 +125,14 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
         fault_hook=faults.from_environment(os.environ),  # test-only; None unless set
         decode_ahead=on_a_gpu_if_auto(config.decode_ahead),
     )
+    if config.prefix_cache is not None:
+        log.info(
+            "prefix cache: %.0f MiB of %s memory; a snapshot of %d tokens takes %.1f MiB",
+            config.prefix_cache / 2**20,
+            config.prefix_cache_placement,
+            config.context,
+            pool.bytes_for(config.context) / 2**20,
+        )
     runner = ModelRunner(model, pool, compile=on_a_gpu_if_auto(config.compile))
     speculator = None if config.dflash is None else _dflash_speculator(runner, config.dflash)
     scheduler = s.Scheduler(runner, tokenizer, sched_config, speculator)
