@@ -106,8 +106,16 @@ def test_routing_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     big = mx.zeros((4096, 4096), dtype=mx.bfloat16)  # 32 MiB: its read outweighs a launch
     assert not gemv_cuda.takes_prologue(1, 4096, mx.bfloat16, big)
     assert not gemv_cuda.takes_prologue(1, 256, mx.float16, w)  # mixed dtypes
+    q8 = _weight("q8", 300, 256, mx.bfloat16)
+    monkeypatch.setenv("SLOTSERVE_GEMV_PROLOGUE_QUANTIZED", "swiglu")  # for measuring only
+    assert gemv_cuda.takes_prologue(1, 256, mx.bfloat16, q8, "swiglu")
+    assert not gemv_cuda.takes_prologue(1, 256, mx.bfloat16, q8, "add_norm")
+    assert not gemv_cuda.takes_prologue(2, 256, mx.bfloat16, q8, "swiglu")
+    with pytest.raises(ValueError, match="no prologue"):
+        gemv_cuda.takes_prologue(1, 256, mx.bfloat16, w, "gelu")
     monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "0")
     assert not gemv_cuda.takes_prologue(1, 256, mx.bfloat16, w)
+    assert not gemv_cuda.takes_prologue(1, 256, mx.bfloat16, q8, "swiglu")
     x = _rows(2, 256, mx.bfloat16, 5)
     with pytest.raises(ValueError, match="add_norm_gemv_cuda"):
         gemv_cuda.add_norm_gemv_cuda(x, x[:1], mx.ones((256,)), 1e-6, w)

@@ -263,12 +263,24 @@ def _preferred(rows: int, w: QuantizedWeight) -> bool:
 PROLOGUE_MAX_BYTES = 32 << 20
 
 
-def takes_prologue(rows: int, K: int, dtype: mx.Dtype, w: Weight) -> bool:
+PROLOGUES = ("add_norm", "swiglu")
+
+
+def takes_prologue(rows: int, K: int, dtype: mx.Dtype, w: Weight, kind: str = "add_norm") -> bool:
     """Whether a product of `rows` rows of width `K` in `dtype` (as the prologue will make
-    them) by `w` takes a fused prologue: switched on, one row, a float matrix of less than
-    `PROLOGUE_MAX_BYTES` in a layout the kernel reads."""
-    if not (prologue_enabled() and rows == 1 and isinstance(w, mx.array)):
+    them) by `w` takes a fused prologue of `kind` (one of `PROLOGUES`): switched on, one row,
+    a float matrix of less than `PROLOGUE_MAX_BYTES` in a layout the kernel reads — or, for
+    the kinds SLOTSERVE_GEMV_PROLOGUE_QUANTIZED names (comma-separated; none by default), a
+    quantized matrix this kernel is preferred for. That switch is for measuring: a host-bound
+    9B-shaped step (session 9: ~287 launches, ~11 µs each) may gain from the 96 launches the
+    prologues fold away more than the products lose; not measured yet."""
+    if kind not in PROLOGUES:
+        raise ValueError(f"takes_prologue: no prologue {kind!r} (one of {', '.join(PROLOGUES)})")
+    if not (prologue_enabled() and rows == 1):
         return False
+    if isinstance(w, QuantizedWeight):
+        allowed = os.environ.get("SLOTSERVE_GEMV_PROLOGUE_QUANTIZED", "").split(",")
+        return kind in allowed and _fits(rows, K, dtype, w) and _preferred(rows, w)
     return w.nbytes < PROLOGUE_MAX_BYTES and _fits(rows, K, dtype, w)
 
 

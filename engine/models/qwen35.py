@@ -344,7 +344,7 @@ class DenseFFN:
         the down projection, in one kernel for a decode-sized product on MLX's CUDA backend
         (`gemv_cuda.swiglu_gemv_cuda`), else the SwiGLU's own kernel or ops, then the matmul."""
         F = gu.shape[-1] // 2
-        if gu.ndim == 2 and gemv_cuda.takes_prologue(gu.shape[0], F, gu.dtype, self.down):
+        if gu.ndim == 2 and gemv_cuda.takes_prologue(gu.shape[0], F, gu.dtype, self.down, "swiglu"):
             return gemv_cuda.swiglu_gemv_cuda(gu, self.down)
         if swiglu_cuda.enabled():
             return matmul(swiglu_cuda.swiglu_cuda(gu), self.down)
