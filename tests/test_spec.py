@@ -485,3 +485,32 @@ def test_resolving_a_slot_that_was_not_planned_changes_nothing(model: Model) -> 
     with pytest.raises(SpecError, match=r"slots \[1\] were not planned"):
         spec.resolve_step(states[1:], outputs)
     assert isinstance(spec.resolve_step(states[:1], outputs), PlainStep)  # its plan is still there
+
+
+def test_a_slot_released_after_the_plan_is_no_longer_planned(model: Model) -> None:
+    """A planned slot released before the resolve (its request ended) resolves as a slot
+    never planned; the plan's other slots resolve, and releasing a slot the plan does not
+    hold (an admitted request's, as its first prefill row does) leaves the plan whole."""
+    spec = plain_speculator(model, 3)
+    states = [DecodingSlot(SlotId(i), 5, [1, 5], GREEDY, RequestRng(i)) for i in range(2)]
+    spec.runner.step([Row(SlotId(i), [1], 0) for i in range(2)])
+    outputs = spec.runner.step(spec.plan(states)).rows
+    spec.release(SlotId(2))
+    spec.release(SlotId(1))
+    with pytest.raises(SpecError, match=r"slots \[1\] were not planned"):
+        spec.resolve_step(states, outputs)
+    assert isinstance(spec.resolve_step(states[:1], outputs[:1]), PlainStep)
+
+
+def test_a_plan_never_resolved_stays_planned_beside_the_next(model: Model) -> None:
+    """A step whose resolve never came (all its rows failed) leaves its slots planned: the
+    next plan, of some of them, resolves; so do the others, until planned again."""
+    spec = plain_speculator(model, 2)
+    states = [DecodingSlot(SlotId(i), 5, [1, 5], GREEDY, RequestRng(i)) for i in range(2)]
+    spec.runner.step([Row(SlotId(i), [1], 0) for i in range(2)])
+    spec.plan(states)
+    outputs = spec.runner.step(spec.plan(states[:1])).rows
+    assert isinstance(spec.resolve_step(states[:1], outputs), PlainStep)
+    assert isinstance(spec.resolve_step(states[1:], outputs), PlainStep)
+    with pytest.raises(SpecError, match=r"slots \[0\] were not planned"):
+        spec.resolve_step(states[:1], outputs)

@@ -170,7 +170,9 @@ class _Plan:
 _PLAIN = _Plan("", _NO_DRAFT, -1)  # every slot's plan in a step without drafters
 _slot_of = attrgetter("slot")  # (C calls per slot)
 _ARGMAX_ONLY = attrgetter("argmax_only")
-_params_of = attrgetter("params")
+_params_of, _logprobs_of = attrgetter("params"), attrgetter("logprobs")
+_new_tuple = tuple.__new__  # (a NamedTuple's own __new__ is Python code; this is C)
+_ROW_DEFAULTS = Row(SlotId(0), (), 0)[3:]  # a plain decode row's fields after (slot, tokens, start)
 
 
 def default_drafters(runner: ModelRunner, dflash: DFlashModel | None = None) -> list[Drafter]:
@@ -242,6 +244,12 @@ class Speculator:
             uniform_verify = uniform_shapes(runner)
         self.uniform_verify = uniform_verify
         self._plans: dict[SlotId, _Plan] = {}
+        # A plan without drafters (every slot's plan `_PLAIN`), not yet resolved: its slots
+        # in order, kept as the list the rows were built from instead of an entry per slot in
+        # `_plans` (`_spill` moves them there when a step goes otherwise), and as a set once
+        # a slot is released meanwhile.
+        self._plain_slots: list[SlotId] | None = None
+        self._plain_set: set[SlotId] | None = None
         self._cycle: tuple[float, int, int] | None = None  # start, row tokens, depth
         self._cold_at_plan = 0  # the runner's `cold_steps` when the cycle was planned
 
@@ -279,6 +287,11 @@ class Speculator:
     def release(self, slot: SlotId) -> None:
         """Forget the slot's request (call when it ends). Its telemetry is the caller's, from
         each step's `Committed` (`SpecStats.record`)."""
+        if self._plain_slots is not None:  # (admissions release their new slots mid-step)
+            if self._plain_set is None:
+                self._plain_set = set(self._plain_slots)
+            if slot in self._plain_set:
+                self._spill()
         self._plans.pop(slot, None)
         for d in self.drafters:
             d.release(slot)
@@ -311,14 +324,20 @@ class Speculator:
         """One row per decoding slot, in order: `[pending, *drafts]` at the slot's length."""
         start = time.perf_counter()
         self._cold_at_plan = self.runner.cold_steps
+        self._spill()  # (an earlier plan never resolved)
         pool_lengths = self.runner.pool.lengths
         if not self.max_draft:  # nothing may draft (and no drafter has begun a slot)
-            rows = [Row(d.slot, [d.pending], pool_lengths[d.slot]) for d in decoding]
+            # built column by column in C calls: a step at 1,024 rows makes 1,024 of them
+            slots = list(map(_slot_of, decoding))
+            starts = list(map(pool_lengths.__getitem__, slots))
+            fed = [[d.pending] for d in decoding]
+            fields = zip(slots, fed, starts, *map(repeat, _ROW_DEFAULTS), strict=False)
+            rows = list(map(_new_tuple, repeat(Row), fields))  # (the defaults repeat forever)
             if self.drafters:  # they may follow the trunk from each plan's length
                 for r in rows:
                     self._plans[r.slot] = _Plan("", _NO_DRAFT, r.start)
             else:  # no one reads a plain plan's length: one plan serves every slot
-                self._plans.update(zip(map(_slot_of, decoding), repeat(_PLAIN)))
+                self._plain_slots = slots
             self._cycle = (start, len(rows), 0)
             return rows
         lengths = [pool_lengths[d.slot] for d in decoding]
@@ -397,6 +416,15 @@ class Speculator:
         if len(outputs) != len(decoding):
             raise SpecError(f"{len(outputs)} outputs for {len(decoding)} decoding slots")
         slots = list(map(_slot_of, decoding))
+        if decoding and slots == self._plain_slots:  # the plan without drafters, as planned
+            self._plain_slots = self._plain_set = None
+            if self._plans:  # older plans of these slots, never resolved: resolved now too
+                for slot in slots:
+                    self._plans.pop(slot, None)
+            resolved: PlainStep | list[Committed] = self._plain(decoding, outputs, drawn)
+            self._observe_cycle(len(decoding))
+            return resolved
+        self._spill()
         found = list(map(self._plans.get, slots))
         if None in found:  # (identity checks: plans compare by identity)
             missing = [s for s, p in zip(slots, found, strict=True) if p is None]
@@ -410,35 +438,43 @@ class Speculator:
             for slot in slots:
                 del self._plans[slot]
         ks = [len(p.draft.tokens) for p in plans] if self.max_draft else []
-        resolved: PlainStep | list[Committed]
         if any(ks):
             if drawn is not None:
                 raise SpecError("tokens drawn ahead for a step that verifies drafts")
             resolved = self._accept(decoding, plans, outputs, ks)
         else:
-            resolved = self._plain(decoding, slots, plans, outputs, drawn)
+            resolved = self._plain(decoding, outputs, drawn)
+            if self.drafters:  # they follow the trunk
+                for slot, plan, out in zip(slots, plans, outputs, strict=True):
+                    self._commit(slot, plan, out, 0, 0)
         self._observe_cycle(len(decoding))
         return resolved
 
     # -- internals -------------------------------------------------------------------------
+    def _spill(self) -> None:
+        """The pending plan without drafters into `_plans`, an entry per slot (the general
+        form: a step resolved in part, a slot released, a plan never resolved)."""
+        if self._plain_slots is not None:
+            self._plans.update(zip(self._plain_slots, repeat(_PLAIN)))
+            self._plain_slots = self._plain_set = None
+
     def _plain(
         self,
         decoding: Sequence[DecodingSlot],
-        slots: list[SlotId],
-        plans: list[_Plan],
         outputs: Sequence[RowOutput],
         drawn: Drawn | None = None,
     ) -> PlainStep:
         """A step without drafts: one token per slot, sampled (`sample`) with no acceptance.
-        The same tokens `_accept` would give for K = 0, at a fraction of its cost."""
+        The same tokens `_accept` would give for K = 0, at a fraction of its cost. (The
+        drafters are told by the caller.)"""
         params = list(map(_params_of, decoding))
         if drawn is None:
-            tokens, adjusted = sample_rows(
-                last_logits(outputs),
-                params,
-                [d.history for d in decoding],
-                [d.rng for d in decoding],
-            )
+            logits = last_logits(outputs)
+            if all(map(_ARGMAX_ONLY, params)):  # (no history or generator is read)
+                tokens, adjusted = sample_rows(logits, params, (), ())
+            else:
+                histories = [d.history for d in decoding]
+                tokens, adjusted = sample_rows(logits, params, histories, [d.rng for d in decoding])
         else:
             if drawn.tokens.shape != (len(decoding),):
                 raise SpecError(
@@ -448,10 +484,11 @@ class Speculator:
                 if not d.params.greedy:
                     d.rng.uniform(1)  # the uniform `drawn` peeked, used up as `sample` would
             tokens, adjusted = cast(list[int], drawn.tokens.tolist()), drawn.adjusted
-        logprob_rows = [i for i, p in enumerate(params) if p.logprobs]
-        if self.drafters:  # they follow the trunk
-            for slot, plan, out in zip(slots, plans, outputs, strict=True):
-                self._commit(slot, plan, out, 0, 0)
+        logprob_rows = (
+            [i for i, p in enumerate(params) if p.logprobs]
+            if any(map(_logprobs_of, params))
+            else []
+        )
         return PlainStep(tokens, adjusted, logprob_rows)
 
     def _accept(
