@@ -22,16 +22,19 @@ pytestmark = pytest.mark.skipif(not available(), reason="needs MLX's CUDA backen
 ONE = [[3, 9, 27, 81, 243]]  # one sequence: its decode steps are the one-row products
 
 
+@pytest.mark.parametrize("staged", ["0", "1"])
 @pytest.mark.parametrize("preset", ["tiny", "tiny-next"])
 def test_a_model_through_the_prologues_matches_the_portable_path(
-    make_model: Callable[..., Path], preset: str, monkeypatch: pytest.MonkeyPatch
+    make_model: Callable[..., Path], preset: str, staged: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Float matrices and one row: where the prologues run. First in the file:
-    a time-limited GPU run reaches the model before the kernel variants below are built."""
+    """Float matrices and one row: where the prologues run (staged: every product of the
+    model they fit). First in the file: a time-limited GPU run reaches the model before the
+    kernel variants below are built."""
     path = make_model(preset, quant="f32")
     monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "0")
     portable = two_steps(path, prompts=ONE)
     monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "1")
+    monkeypatch.setenv(gemv_cuda.STAGED_ENV, staged)
     assert_as_close_as(two_steps(path, prompts=ONE), portable, on_cpu(path, prompts=ONE))
 
 
@@ -61,12 +64,31 @@ CASES = [
 KINDS = [("float", mx.bfloat16), ("float", mx.float32), ("q8", mx.bfloat16), ("q4", mx.bfloat16)]
 
 
+@pytest.fixture(params=["0", "1"], ids=["unstaged", "staged"])
+def staged(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Both prologue kernels: the one that makes x per weight load, and the staged one (its
+    rows made once per block in shared memory; groups of outputs per block)."""
+    monkeypatch.setenv(gemv_cuda.STAGED_ENV, request.param)
+    return bool(request.param == "1")
+
+
 @pytest.mark.parametrize(("kind", "dtype"), KINDS)
 @pytest.mark.parametrize(("R", "K", "N", "outs", "unroll", "split"), CASES)
 def test_swiglu_prologue_is_the_two_kernels_exactly(
-    R: int, K: int, N: int, dtype: mx.Dtype, kind: str, outs: int, unroll: int, split: int | None
+    R: int,
+    K: int,
+    N: int,
+    dtype: mx.Dtype,
+    kind: str,
+    outs: int,
+    unroll: int,
+    split: int | None,
+    staged: bool,
 ) -> None:
-    """Same roundings, same accumulation order: only where x comes from changed."""
+    """Same roundings, same accumulation order: only where x comes from changed (the staged
+    kernel splits K as the plain one does for the same `split`: one warp when None)."""
+    if staged:
+        split = 1 if split is None else split
     w = _weight(kind, N, K, dtype)
     gu = _rows(R, 2 * K, dtype, R + K, scale=3.0)
     got = gemv_cuda.swiglu_gemv_cuda(gu, w, outs, unroll, split)
@@ -78,7 +100,15 @@ def test_swiglu_prologue_is_the_two_kernels_exactly(
 @pytest.mark.parametrize(("kind", "dtype"), KINDS)
 @pytest.mark.parametrize(("R", "K", "N", "outs", "unroll", "split"), CASES)
 def test_add_norm_prologue_matches_the_two_kernels(
-    R: int, K: int, N: int, dtype: mx.Dtype, kind: str, outs: int, unroll: int, split: int | None
+    R: int,
+    K: int,
+    N: int,
+    dtype: mx.Dtype,
+    kind: str,
+    outs: int,
+    unroll: int,
+    split: int | None,
+    staged: bool,
 ) -> None:
     """The residual sum is the separate kernel's exactly (every element, written by one
     block of many); the product differs only by the norm's summation order."""
@@ -113,6 +143,13 @@ def test_routing_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not gemv_cuda.takes_prologue(2, 256, mx.bfloat16, q8, "swiglu")
     with pytest.raises(ValueError, match="no prologue"):
         gemv_cuda.takes_prologue(1, 256, mx.bfloat16, w, "gelu")
+    monkeypatch.setenv(gemv_cuda.STAGED_ENV, "1")  # staged: any rows whose rows fit the stage
+    assert gemv_cuda.takes_prologue(8, 256, mx.bfloat16, w)
+    assert gemv_cuda.takes_prologue(1, 4096, mx.bfloat16, big)
+    assert gemv_cuda.takes_prologue(8, 256, mx.bfloat16, q8, "add_norm")
+    wide = _weight("float", 64, 4096, mx.float32)
+    assert gemv_cuda.takes_prologue(3, 4096, mx.float32, wide)  # 48 KiB of rows
+    assert not gemv_cuda.takes_prologue(4, 4096, mx.float32, wide)
     monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "0")
     assert not gemv_cuda.takes_prologue(1, 256, mx.bfloat16, w)
     assert not gemv_cuda.takes_prologue(1, 256, mx.bfloat16, q8, "swiglu")

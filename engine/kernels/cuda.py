@@ -49,11 +49,14 @@ def cached_kernel(
     outputs: list[str],
     source: str,
     contiguous: bool = True,
+    shared_memory: int = 0,
 ) -> Any:
     """The `mx.fast.cuda_kernel` of `family` for `variant` (a source variant: floats such as
     eps are baked into the source, as template arguments are integers and types only),
     made once per process. `contiguous`: MLX copies every input that is not row-contiguous
-    before the launch (a kernel that reads its inputs' strides says False)."""
+    before the launch (a kernel that reads its inputs' strides says False).
+    `shared_memory`: dynamic shared memory in bytes (a variant must say it: it is fixed per
+    kernel object)."""
     key = (family, variant)
     kernel = _kernels.get(key)
     if kernel is None:
@@ -63,5 +66,6 @@ def cached_kernel(
             output_names=outputs,
             source=source,
             ensure_row_contiguous=contiguous,
+            shared_memory=shared_memory,
         )
     return kernel

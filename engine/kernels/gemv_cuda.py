@@ -26,7 +26,7 @@ from engine.kernels.cuda import cached_kernel, switched_on
 MAX_ROWS = 8  # rows of x a launch takes (its accumulators live in registers)
 _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
 
-_SOURCE = """
+_HEAD = """
     constexpr int XV = 16 / sizeof(T);  // x values per 16-byte load
     constexpr int PER_WORD = BITS < 16 ? 32 / BITS : 1;  // quantized values per 32-bit word
     constexpr unsigned MASK = BITS < 16 ? (1u << (BITS & 15)) - 1 : 0u;
@@ -104,6 +104,11 @@ _SOURCE = """
             for (int e = 0; e < XV; ++e) xv[e] = static_cast<float>(reinterpret_cast<const T*>(&xu)[e]);
         }
     };
+"""
+
+# The product itself: the lane's weights along K, dequantized once for all rows of x, against
+# the x values `load_x` gives (the two kernels' heads define it, and `warp`, `row0`).
+_PRODUCT = """\
     float acc[R][OUTS];
     #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -179,6 +184,9 @@ _SOURCE = """
                     acc[r][o] += BITS < 16 ? sc[u][o] * dot[r][o] + bi[u][o] * sx[r] : dot[r][o];
         }
     }
+"""
+
+_TAIL = """\
     __shared__ float part[SPLIT][R][OUTS];
     #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -198,6 +206,118 @@ _SOURCE = """
         if (row0 + o < N) out[r * N + row0 + o] = static_cast<T>(v);
     }
 """
+
+_SOURCE = _HEAD + _PRODUCT + _TAIL
+
+# The staged kernel (`STAGED_ENV`): a block of G groups of SPLIT warps, each group OUTS
+# outputs; the input rows made once per block into shared memory (`R * K` values), so a
+# prologue costs a block one pass over its rows, not one per 16-byte weight load.
+_STAGED_HEAD = """
+    constexpr int XV = 16 / sizeof(T);  // x values per 16-byte load
+    constexpr int PER_WORD = BITS < 16 ? 32 / BITS : 1;  // quantized values per 32-bit word
+    constexpr unsigned MASK = BITS < 16 ? (1u << (BITS & 15)) - 1 : 0u;
+    constexpr int NT = 32 * SPLIT * G;  // the block's threads
+    const long K = PRO == 2 ? x_shape[1] / 2 : x_shape[1], N = w_shape[0];
+    const int lane = threadIdx.x & 31;
+    const int grp = (threadIdx.x >> 5) / SPLIT;  // the warp's group of OUTS outputs
+    const int warp = (threadIdx.x >> 5) % SPLIT;  // and its share of their K
+    const long row0 = long(blockIdx.x) * (G * OUTS) + grp * OUTS;  // the group's first output
+    const unsigned char* base = reinterpret_cast<const unsigned char*>(w);
+    extern __shared__ __align__(16) unsigned char stage_raw[];
+    T* xs = reinterpret_cast<T*>(stage_raw);  // [R][K]: the rows every group reads
+
+    // The block makes its input rows ONCE, into shared memory, rounded where the separate
+    // kernels round: x itself; h = x + m, then RMSNorm(h) * nw (block 0 writes h); or
+    // silu(gate) * up. Its G groups of outputs then read them from there.
+    __shared__ float red[SPLIT * G][R];
+    __shared__ float inv[R];
+    for (int r = 0; r < R; ++r) {
+        float ss = 0.0f;
+        for (long k = long(threadIdx.x) * XV; k < K; k += long(NT) * XV) {
+            uint4 su;
+            if (PRO == 2) {
+                const uint4 gu = __ldg(reinterpret_cast<const uint4*>(x + r * 2 * K + k));
+                const uint4 uu = __ldg(reinterpret_cast<const uint4*>(x + r * 2 * K + K + k));
+                #pragma unroll
+                for (int e = 0; e < XV; ++e) {
+                    const float g = static_cast<float>(reinterpret_cast<const T*>(&gu)[e]);
+                    const float u = static_cast<float>(reinterpret_cast<const T*>(&uu)[e]);
+                    reinterpret_cast<T*>(&su)[e] = static_cast<T>(g / (1.0f + expf(-g)) * u);
+                }
+            } else if (PRO == 1) {
+                const uint4 xu = __ldg(reinterpret_cast<const uint4*>(x + r * K + k));
+                const uint4 mu = __ldg(reinterpret_cast<const uint4*>(m + r * K + k));
+                #pragma unroll
+                for (int e = 0; e < XV; ++e) {
+                    const T s = static_cast<T>(static_cast<float>(reinterpret_cast<const T*>(&xu)[e])
+                        + static_cast<float>(reinterpret_cast<const T*>(&mu)[e]));
+                    reinterpret_cast<T*>(&su)[e] = s;
+                    ss += static_cast<float>(s) * static_cast<float>(s);
+                }
+            } else {
+                su = __ldg(reinterpret_cast<const uint4*>(x + r * K + k));
+            }
+            *reinterpret_cast<uint4*>(xs + r * K + k) = su;
+        }
+        if (PRO == 1) {
+            #pragma unroll
+            for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, off);
+            if (lane == 0) red[threadIdx.x >> 5][r] = ss;
+        }
+    }
+    __syncthreads();
+    if (PRO == 1) {
+        if (threadIdx.x < R) {
+            float v = 0.0f;
+            for (int i = 0; i < SPLIT * G; ++i) v += red[i][threadIdx.x];
+            inv[threadIdx.x] = rsqrtf(v / K + EPS);
+        }
+        if (blockIdx.x == 0)
+            for (long i = long(threadIdx.x) * XV; i < R * K; i += long(NT) * XV)
+                *reinterpret_cast<uint4*>(h + i) = *reinterpret_cast<const uint4*>(xs + i);
+        __syncthreads();
+        for (long i = long(threadIdx.x) * XV; i < R * K; i += long(NT) * XV) {
+            const int r = int(i / K);
+            const long k = i % K;
+            uint4 su = *reinterpret_cast<const uint4*>(xs + i);
+            #pragma unroll
+            for (int e = 0; e < XV; ++e) {
+                const float s = static_cast<float>(reinterpret_cast<const T*>(&su)[e]);
+                reinterpret_cast<T*>(&su)[e] = static_cast<T>(s * inv[r] * __ldg(nw + k + e));
+            }
+            *reinterpret_cast<uint4*>(xs + i) = su;
+        }
+        __syncthreads();
+    }
+    auto load_x = [&](int r, long k, float* xv) {
+        const uint4 xu = *reinterpret_cast<const uint4*>(xs + r * K + k);
+        #pragma unroll
+        for (int e = 0; e < XV; ++e) xv[e] = static_cast<float>(reinterpret_cast<const T*>(&xu)[e]);
+    };
+"""
+
+_STAGED_TAIL = """\
+    __shared__ float part[G][SPLIT][R][OUTS];
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
+        #pragma unroll
+        for (int o = 0; o < OUTS; ++o) {
+            float v = acc[r][o];
+            #pragma unroll
+            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
+            if (lane == 0) part[grp][warp][r][o] = v;
+        }
+    __syncthreads();
+    if (warp == 0 && lane < R * OUTS) {  // R * OUTS <= 32: one lane an output of a row
+        const int r = lane / OUTS, o = lane % OUTS;
+        float v = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < SPLIT; ++i) v += part[grp][i][r][o];
+        if (row0 + o < N) out[r * N + row0 + o] = static_cast<T>(v);
+    }
+"""
+
+_STAGED_SOURCE = _STAGED_HEAD + _PRODUCT + _STAGED_TAIL
 
 
 def enabled() -> bool:
@@ -264,6 +384,22 @@ PROLOGUE_MAX_BYTES = 32 << 20
 
 
 PROLOGUES = ("add_norm", "swiglu")
+STAGED_ENV = "SLOTSERVE_GEMV_STAGED"
+STAGE_MAX_BYTES = 48 << 10  # the input rows a block stages (CUDA's default dynamic limit)
+STAGED_GROUPS = 8  # output groups per block of the staged kernel (with one warp each: 256
+# threads, 32 outputs: a block's one pass over its rows serves 32 outputs, not 4; with
+# `split` warps sharing K, 8 // split groups)
+
+
+def staged_enabled() -> bool:
+    """Whether prologues run in the staged kernel, which makes a block's input rows once in
+    shared memory (SLOTSERVE_GEMV_STAGED=1; off by default: not yet measured on a GPU). With it
+    on, a prologue also takes products of up to `MAX_ROWS` rows whose rows fit the stage."""
+    return prologue_enabled() and os.environ.get(STAGED_ENV, "0") == "1"
+
+
+def _stages(rows: int, K: int, dtype: mx.Dtype) -> bool:
+    return rows * K * dtype.size <= STAGE_MAX_BYTES
 
 
 def takes_prologue(rows: int, K: int, dtype: mx.Dtype, w: Weight, kind: str = "add_norm") -> bool:
@@ -276,6 +412,10 @@ def takes_prologue(rows: int, K: int, dtype: mx.Dtype, w: Weight, kind: str = "a
     prologues fold away more than the products lose; not measured yet."""
     if kind not in PROLOGUES:
         raise ValueError(f"takes_prologue: no prologue {kind!r} (one of {', '.join(PROLOGUES)})")
+    if staged_enabled():  # any product it fits whose rows fit the stage
+        if not (_fits(rows, K, dtype, w) and _stages(rows, K, dtype)):
+            return False
+        return not isinstance(w, QuantizedWeight) or _preferred(rows, w)
     if not (prologue_enabled() and rows == 1):
         return False
     if isinstance(w, QuantizedWeight):
@@ -326,7 +466,8 @@ def add_norm_gemv_cuda(
             f"norm {norm.shape} do not fit this kernel's layouts"
         )
     inputs = [x, m, norm.astype(mx.float32)]
-    out, h = _launch(_ADD_NORM, inputs, w, R, outs, unroll, split, eps=eps)
+    staged = staged_enabled() and _stages(R, K, x.dtype)
+    out, h = _launch(_ADD_NORM, inputs, w, R, outs, unroll, split, eps=eps, staged=staged)
     return h, out
 
 
@@ -339,7 +480,8 @@ def swiglu_gemv_cuda(
     R, K2 = gu.shape if gu.ndim == 2 else (0, 1)
     if K2 % 2 or not _fits(R, K2 // 2, gu.dtype, w):
         raise ValueError(f"swiglu_gemv_cuda: gu {gu.shape} {gu.dtype} does not fit this kernel")
-    (out,) = _launch(_SWIGLU, [gu], w, R, outs, unroll, split)
+    staged = staged_enabled() and _stages(R, K2 // 2, gu.dtype)
+    (out,) = _launch(_SWIGLU, [gu], w, R, outs, unroll, split, staged=staged)
     return out
 
 
@@ -357,11 +499,14 @@ def _launch(
     unroll: int,
     split: int | None,
     eps: float = 0.0,
+    staged: bool = False,
 ) -> list[mx.array]:
     N = w.shape[0]
     K = inputs[0].shape[1] // (2 if pro == _SWIGLU else 1)
-    split = split_for(R, N, outs) if split is None else split
-    if not (outs >= 1 and R * outs <= 32 and unroll >= 1 and 1 <= split <= 32):
+    if split is None:
+        split = 1 if staged else split_for(R, N, outs)
+    groups = max(1, STAGED_GROUPS // split) if staged else 1  # at most 256 threads a block
+    if not (outs >= 1 and R * outs <= 32 and unroll >= 1 and 1 <= split * groups <= 32):
         raise ValueError(
             f"gemv_cuda: no kernel for {R} rows, outs={outs} unroll={unroll} split={split}"
         )
@@ -376,9 +521,16 @@ def _launch(
         inputs, names = [*inputs, w], [*names, "w"]
         extra = [("W", w.dtype)]
     outputs = ["out", "h"] if pro == _ADD_NORM else ["out"]
-    source = _source(names, pro, eps)
-    kernel = cached_kernel("gemv", f"{','.join(names)}|{pro}|{eps!r}", names, outputs, source)
     dtype = inputs[0].dtype
+    source = _source(names, pro, eps, staged)
+    variant = f"{','.join(names)}|{pro}|{eps!r}"
+    if staged:  # dynamic shared memory is the kernel's, not the launch's: bucket it
+        stage = min(max(1 << (R * K * dtype.size - 1).bit_length(), 4096), STAGE_MAX_BYTES)
+        variant += f"|staged {stage}"
+        kernel = cached_kernel("gemv_staged", variant, names, outputs, source, shared_memory=stage)
+        extra.append(("G", groups))
+    else:
+        kernel = cached_kernel("gemv", variant, names, outputs, source)
     return list(
         kernel(
             inputs=inputs,
@@ -392,17 +544,18 @@ def _launch(
                 ("SPLIT", split),
                 *extra,
             ],
-            grid=(-(-N // outs) * 32 * split, 1, 1),
-            threadgroup=(32 * split, 1, 1),
+            grid=(-(-N // (outs * groups)) * 32 * split * groups, 1, 1),
+            threadgroup=(32 * split * groups, 1, 1),
             output_shapes=[(R, N), (R, K)][: len(outputs)],
             output_dtypes=[dtype] * len(outputs),
         )
     )
 
 
-def _source(names: list[str], pro: int = _PLAIN, eps: float = 0.0) -> str:
+def _source(names: list[str], pro: int = _PLAIN, eps: float = 0.0, staged: bool = False) -> str:
     """The kernel body for one prologue: the inputs it does not take stand as null pointers
-    (a float weight has no scales to read, and its own type `W`)."""
+    (a float weight has no scales to read, and its own type `W`); `staged`: the kernel that
+    makes its input rows once per block in shared memory."""
     lines = [f"    constexpr int PRO = {pro};", f"    constexpr float EPS = {eps!r}f;"]
     if "scales" in names:
         lines.append("    using W = unsigned char;")
@@ -414,4 +567,4 @@ def _source(names: list[str], pro: int = _PLAIN, eps: float = 0.0) -> str:
         ]
     if "m" not in names:
         lines.append("    const T* m = nullptr; const float* nw = nullptr; T* h = nullptr;")
-    return "\n".join(lines) + "\n" + _SOURCE
+    return "\n".join(lines) + "\n" + (_STAGED_SOURCE if staged else _SOURCE)
