@@ -148,8 +148,8 @@ def test_routing_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     assert gemv_cuda.takes_prologue(1, 4096, mx.bfloat16, big)
     assert gemv_cuda.takes_prologue(8, 256, mx.bfloat16, q8, "add_norm")
     wide = _weight("float", 64, 4096, mx.float32)
-    assert gemv_cuda.takes_prologue(3, 4096, mx.float32, wide)  # 48 KiB of rows
-    assert not gemv_cuda.takes_prologue(4, 4096, mx.float32, wide)
+    assert gemv_cuda.takes_prologue(2, 4096, mx.float32, wide)  # 32 KiB of rows
+    assert not gemv_cuda.takes_prologue(3, 4096, mx.float32, wide)  # 48: past the stage
     monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "0")
     assert not gemv_cuda.takes_prologue(1, 256, mx.bfloat16, w)
     assert not gemv_cuda.takes_prologue(1, 256, mx.bfloat16, q8, "swiglu")

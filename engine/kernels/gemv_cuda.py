@@ -385,7 +385,7 @@ PROLOGUE_MAX_BYTES = 32 << 20
 
 PROLOGUES = ("add_norm", "swiglu")
 STAGED_ENV = "SLOTSERVE_GEMV_STAGED"
-STAGE_MAX_BYTES = 48 << 10  # the input rows a block stages (CUDA's default dynamic limit)
+STAGE_MAX_BYTES = 44 << 10  # the rows a block stages: with its static arrays, <= 48 KiB
 STAGED_GROUPS = 8  # output groups per block of the staged kernel (with one warp each: 256
 # threads, 32 outputs: a block's one pass over its rows serves 32 outputs, not 4; with
 # `split` warps sharing K, 8 // split groups)
@@ -525,7 +525,7 @@ def _launch(
     source = _source(names, pro, eps, staged)
     variant = f"{','.join(names)}|{pro}|{eps!r}"
     if staged:  # dynamic shared memory is the kernel's, not the launch's: bucket it
-        stage = min(max(1 << (R * K * dtype.size - 1).bit_length(), 4096), STAGE_MAX_BYTES)
+        stage = -(-R * K * dtype.size // 4096) * 4096  # (CUDA's limit without opting in)
         variant += f"|staged {stage}"
         kernel = cached_kernel("gemv_staged", variant, names, outputs, source, shared_memory=stage)
         extra.append(("G", groups))
