@@ -51,7 +51,7 @@ from scheduler.outcome import Delta, FinishReason, TokenLogprob
 from scheduler.prefix_reuse import PrefixReuse
 from scheduler.queue import Rejected, RejectReason, WaitQueue
 from scheduler.request import DuplicateRequestId, Request, Speculation, prepare
-from scheduler.sequence import Phase, Sequence
+from scheduler.sequence import Phase, Sequence, commit_plain_step
 from scheduler.stats import Counters, SchedulerStats
 from scheduler.step import Stepper, StepPlan, StepResult
 from scheduler.step_thread import StepThread
@@ -405,18 +405,9 @@ class Scheduler:
             )
             self._take(seq, [token], logprobs)
         unpublished = self._unpublished
+        # a plain step: one token each, the common case
+        commit_plain_step(result.plain, result.plain_tokens, result.plain_logprobs, unpublished)
         done = Phase.DONE  # (a local: see `_reap`)
-        if result.plain_logprobs is None:  # a plain step: one token each, the common case
-            for seq, token in zip(result.plain, result.plain_tokens, strict=True):
-                if seq.ending is None and seq.phase is not done:  # seq.live, inlined
-                    seq.commit_plain(token)
-                    unpublished.append(seq)
-        else:
-            plain = zip(result.plain, result.plain_tokens, result.plain_logprobs, strict=True)
-            for seq, token, logprobs in plain:
-                if seq.live:
-                    seq.commit_plain(token, logprobs)
-                    unpublished.append(seq)
         for seq, committed, logprobs in result.decoded:
             if seq.ending is None and seq.phase is not done:  # seq.live, inlined
                 if committed.drafted:

@@ -135,26 +135,6 @@ class Sequence:
             decoding.pending = kept[-1]
             decoding.remaining = room - len(kept)
 
-    def commit_plain(self, token: int, logprobs: list[TokenLogprob] | None = None) -> None:
-        """A step without drafts committed `token`: count the plain step and `commit` it
-        (without its general machinery when the token neither stops nor fills the room)."""
-        self.plain_steps += 1
-        decoding = self.decoding
-        room = self.prepared.max_tokens - len(self.output) - len(self._unpublished)
-        if (
-            logprobs
-            or decoding is None
-            or room <= 1
-            or self.ending is not None
-            or token in self.stop_ids
-        ):
-            self.commit([token], logprobs or [])
-            return
-        self._unpublished.append(token)
-        decoding.history.append(token)
-        decoding.pending = token
-        decoding.remaining = room - 1
-
     def take_delta(self, now: float, final: bool = False) -> Delta | None:
         """The committed, unpublished tokens as a Delta (None if there is nothing new).
 
@@ -235,3 +215,41 @@ class Sequence:
             matched_stop=self.matched_stop if reason == FinishReason.STOP else None,
             error=error,
         )
+
+
+def commit_plain_step(
+    seqs: list[Sequence],
+    tokens: list[int],
+    logprobs: list[list[TokenLogprob]] | None,
+    committed: list[Sequence],
+) -> None:
+    """A step without drafts committed `tokens[i]` (and `logprobs[i]`) for `seqs[i]`: each
+    sequence still live counts the plain step, `commit`s its token and joins `committed`.
+
+    One call for the step, not one per sequence (a step at 1,024 rows): a token that
+    neither stops the sequence nor fills its room, without log-probabilities, is taken here
+    without `commit`'s general machinery, to the same effect."""
+    if logprobs is not None:  # (some asked for log-probabilities: the general path for all)
+        for seq, token, lps in zip(seqs, tokens, logprobs, strict=True):
+            if seq.live:
+                seq.plain_steps += 1
+                seq.commit([token], lps)
+                committed.append(seq)
+        return
+    for seq, token in zip(seqs, tokens, strict=True):
+        if seq.ending is not None or seq.phase is _DONE:  # (not live)
+            continue
+        seq.plain_steps += 1
+        decoding = seq.decoding
+        # `room` as `commit` counts it (max_tokens less the tokens committed so far), which
+        # the last commit left in `remaining`; None before the first commit
+        room = None if decoding is None else decoding.remaining
+        if room is None or room <= 1 or token in seq.stop_ids:
+            seq.commit([token], [])
+        else:
+            assert decoding is not None  # (room is not None)
+            seq._unpublished.append(token)
+            decoding.history.append(token)
+            decoding.pending = token
+            decoding.remaining = room - 1
+        committed.append(seq)

@@ -29,7 +29,7 @@ from scheduler.request import (
     UnknownTokenId,
     prepare,
 )
-from scheduler.sequence import Phase, Sequence
+from scheduler.sequence import Phase, Sequence, commit_plain_step
 from scheduler.stop import StopMatcher
 
 # -- stop strings -------------------------------------------------------------------------------
@@ -253,7 +253,7 @@ def test_commit_plain_streams_exactly_what_the_general_commit_does(
     ignore_eos: bool,
     publish_every: int,
 ) -> None:
-    """A plain step commits with `commit_plain`; the general path is `commit` with the step
+    """A plain step commits with `commit_plain_step`; the general path is `commit` with the step
     counted by hand. Fed the same tokens and published at the same steps, both give the
     same Deltas (tokens, text), the same end and the same decode state."""
     request = Request(
@@ -267,8 +267,7 @@ def test_commit_plain_streams_exactly_what_the_general_commit_does(
     fast, general = (_decoding_sequence(tokenizer, request, tokens[0]) for _ in range(2))
     streams: tuple[list[object], list[object]] = ([], [])
     for step, token in enumerate(tokens[1:], 1):
-        if fast.live:
-            fast.commit_plain(token)
+        commit_plain_step([fast], [token], None, [])
         if general.live:
             general.plain_steps += 1
             general.commit([token], [])
