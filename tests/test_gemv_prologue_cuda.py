@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -51,15 +52,27 @@ def _rows(R: int, K: int, dtype: mx.Dtype, seed: int, scale: float = 1.0) -> mx.
     return (scale * mx.random.normal((R, K), key=mx.random.key(seed))).astype(dtype)
 
 
-# (R, K, N, outs, unroll, split): the default tuning on shapes a model meets, then other
-# tunings (warps sharing K unevenly, outputs past N's end) on one shape
+class Case(NamedTuple):
+    """A product's shape and tuning: R rows of width K by N outputs; `outs`, `unroll`, `split`
+    as `gemv_cuda.gemv_cuda` takes them."""
+
+    R: int
+    K: int
+    N: int
+    outs: int
+    unroll: int
+    split: int | None
+
+
+# the default tuning on shapes a model meets, then other tunings (warps sharing K unevenly,
+# outputs past N's end) on one shape
 CASES = [
-    (1, 1024, 8224, 4, 1, None),
-    (3, 4096, 1000, 4, 1, None),
-    (8, 512, 96, 4, 1, None),
-    (3, 4096, 1000, 1, 1, 1),
-    (3, 4096, 1000, 8, 1, 3),
-    (2, 1024, 1001, 2, 2, 4),
+    Case(1, 1024, 8224, 4, 1, None),
+    Case(3, 4096, 1000, 4, 1, None),
+    Case(8, 512, 96, 4, 1, None),
+    Case(3, 4096, 1000, 1, 1, 1),
+    Case(3, 4096, 1000, 8, 1, 3),
+    Case(2, 1024, 1001, 2, 2, 4),
 ]
 KINDS = [("float", mx.bfloat16), ("float", mx.float32), ("q8", mx.bfloat16), ("q4", mx.bfloat16)]
 
@@ -73,20 +86,13 @@ def staged(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> b
 
 
 @pytest.mark.parametrize(("kind", "dtype"), KINDS)
-@pytest.mark.parametrize(("R", "K", "N", "outs", "unroll", "split"), CASES)
+@pytest.mark.parametrize("case", CASES)
 def test_swiglu_prologue_is_the_two_kernels_exactly(
-    R: int,
-    K: int,
-    N: int,
-    dtype: mx.Dtype,
-    kind: str,
-    outs: int,
-    unroll: int,
-    split: int | None,
-    staged: bool,
+    case: Case, dtype: mx.Dtype, kind: str, staged: bool
 ) -> None:
     """Same roundings, same accumulation order: only where x comes from changed (the staged
     kernel splits K as the plain one does for the same `split`: one warp when None)."""
+    R, K, N, outs, unroll, split = case
     if staged:
         split = 1 if split is None else split
     w = _weight(kind, N, K, dtype)
@@ -98,20 +104,13 @@ def test_swiglu_prologue_is_the_two_kernels_exactly(
 
 
 @pytest.mark.parametrize(("kind", "dtype"), KINDS)
-@pytest.mark.parametrize(("R", "K", "N", "outs", "unroll", "split"), CASES)
+@pytest.mark.parametrize("case", CASES)
 def test_add_norm_prologue_matches_the_two_kernels(
-    R: int,
-    K: int,
-    N: int,
-    dtype: mx.Dtype,
-    kind: str,
-    outs: int,
-    unroll: int,
-    split: int | None,
-    staged: bool,
+    case: Case, dtype: mx.Dtype, kind: str, staged: bool
 ) -> None:
     """The residual sum is the separate kernel's exactly (every element, written by one
     block of many); the product differs only by the norm's summation order."""
+    R, K, N, outs, unroll, split = case
     w = _weight(kind, N, K, dtype)
     x, m = _rows(R, K, dtype, 1, scale=4.0), _rows(R, K, dtype, 2)
     norm = 1 + 0.1 * mx.random.normal((K,), key=mx.random.key(3))

@@ -44,6 +44,14 @@ def snapshots_equal(a: SlotSnapshot, b: SlotSnapshot, atol: float = 0.0) -> bool
     )
 
 
+def prefilled(model: Model) -> tuple[ModelRunner, SlotId]:
+    """A fresh runner with one slot fed six tokens."""
+    runner = new_runner(model)
+    slot = runner.pool.allocate()
+    runner.step([Row(slot, [4, 8, 15, 16, 23, 42], 0)])
+    return runner, slot
+
+
 def decode(runner: ModelRunner, slot: SlotId, first: int, n: int) -> list[int]:
     out, tok = [], first
     for _ in range(n):
@@ -123,10 +131,8 @@ def test_a_device_copy_has_buffers_of_its_own_and_keeps_the_slot_as_it_was(
     whatever the pool does next. Its buffers are its own: MLX's own copy of a contiguous
     view (`mx.contiguous`) shares the pool's buffer, which would keep every later write
     into the pool from reusing it."""
-    runner = new_runner(model)
+    runner, a = prefilled(model)
     pool = runner.pool
-    a = pool.allocate()
-    runner.step([Row(a, [4, 8, 15, 16, 23, 42], 0)])
     before = pool.snapshot(a)
     copy = pool.copy(a)
     mx.eval(copy.parts)
@@ -149,10 +155,8 @@ def test_a_device_copy_restores_exactly_and_one_of_another_layout_is_refused(
     """The prefix cache keeps device copies and restores from them (no host transfer):
     exact, whatever the source slot did since, into a pool of another context length too;
     a copy whose arrays do not fit the pool (another K/V dtype) changes nothing."""
-    runner = new_runner(model)
+    runner, a = prefilled(model)
     pool = runner.pool
-    a = pool.allocate()
-    runner.step([Row(a, [4, 8, 15, 16, 23, 42], 0)])
     want = pool.snapshot(a)
     copy = pool.copy(a)
     decode(runner, a, 9, 3)  # the source slot moves on
