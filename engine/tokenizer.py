@@ -370,20 +370,23 @@ class IncrementalDetokenizer:
     `tokenizer.decode(ids, skip_special)`. Constant work per token.
     """
 
-    __slots__ = ("_holding", "_skip_special", "_texts", "_tokenizer", "_utf8")  # (read per token)
+    __slots__ = ("_held", "_pieces", "_skip_special", "_texts", "_tokenizer")  # (read per token)
 
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = False) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._texts = tokenizer._piece_texts
-        self._holding = False  # the byte decoder holds part of a character
+        self._pieces = tokenizer._pieces
+        # The bytes of an unfinished character: what `codecs`' incremental UTF-8 decoder
+        # (errors="replace") buffers, kept here and decoded as it does (`_decode`), without
+        # its two Python method calls per token.
+        self._held = b""
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (often "", never a partial character)."""
         if self._skip_special and self._tokenizer.token_type(token_id) in _SPECIAL:
             return ""
-        if not self._holding and 0 <= token_id < len(self._texts):
+        if not self._held and 0 <= token_id < len(self._texts):
             text = self._texts[token_id]
             if text is not None:
                 return text
@@ -391,24 +394,33 @@ class IncrementalDetokenizer:
 
     def push_all(self, token_ids: list[int], skip: AbstractSet[int] = frozenset()) -> str:
         """`push` each token not in `skip` (those print nothing); their text, joined."""
-        texts = self._texts
-        if self._skip_special or self._holding or len(token_ids) != 1:
+        if self._skip_special or len(token_ids) != 1:
             return "".join([self.push(t) for t in token_ids if t not in skip])
         (t,) = token_ids  # one token per step: the common case, in one call
         if t in skip:
             return ""
-        text = texts[t] if 0 <= t < len(texts) else None
-        return text if text is not None else self.push(t)
+        if not 0 <= t < len(self._texts):
+            return self.push(t)  # (raises)
+        if not self._held:
+            text = self._texts[t]
+            if text is not None:
+                return text
+        return self._decode(self._pieces[t])
 
     def flush(self) -> str:
         """End of sequence: the held-back bytes as U+FFFD (they never completed), or ""."""
-        self._holding = False
-        return self._utf8.decode(b"", final=True)
+        held, self._held = self._held, b""
+        return _utf8_decode(held, "replace", True)[0] if held else ""
 
     def _decode(self, piece: bytes) -> str:
-        text = self._utf8.decode(piece)
-        self._holding = bool(self._utf8.getstate()[0])
+        # (codecs.BufferedIncrementalDecoder.decode, for UTF-8 with errors="replace")
+        data = self._held + piece if self._held else piece
+        text, used = _utf8_decode(data, "replace", False)
+        self._held = data[used:]
         return text
+
+
+_utf8_decode = codecs.utf_8_decode
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import ctypes
 from collections.abc import Callable
 from datetime import datetime
@@ -258,6 +259,28 @@ def test_detokenizer_push_all_equals_pushing_each(tok: Tokenizer, data: st.DataO
     for group in groups:
         assert one.push_all(group, skip) == "".join(each.push(t) for t in group if t not in skip)
     assert one.flush() == each.flush()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_detokenizer_emits_what_the_incremental_utf8_decoder_emits(
+    tok: Tokenizer, data: st.DataObject
+) -> None:
+    """Token by token (`push`, and `push_all` of one or several), the text is what Python's
+    incremental UTF-8 decoder (errors="replace") gives for the tokens' bytes: a partial
+    character is held exactly as long, and bytes that cannot complete one are replaced
+    exactly as soon."""
+    token = st.one_of(st.integers(0, 255), st.integers(0, tok.vocab_size - 1))
+    groups = data.draw(st.lists(st.lists(token, min_size=1, max_size=3), max_size=30))
+    stream = tok.detokenizer()
+    reference = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for group in groups:
+        pieces = b"".join(tok.token_piece(t) for t in group)
+        if len(group) == 1 and data.draw(st.booleans()):
+            assert stream.push(group[0]) == reference.decode(pieces)
+        else:
+            assert stream.push_all(group) == reference.decode(pieces)
+    assert stream.flush() == reference.decode(b"", final=True)
 
 
 # -- chat template -----------------------------------------------------------------------------
