@@ -394,18 +394,18 @@ class IncrementalDetokenizer:
 
     def push_all(self, token_ids: list[int], skip: AbstractSet[int] = frozenset()) -> str:
         """`push` each token not in `skip` (those print nothing); their text, joined."""
-        if self._skip_special or len(token_ids) != 1:
+        if len(token_ids) != 1 or self._skip_special:
             return "".join([self.push(t) for t in token_ids if t not in skip])
-        (t,) = token_ids  # one token per step: the common case, in one call
+        t = token_ids[0]  # one token per step: the common case, in one call
         if t in skip:
             return ""
-        if not 0 <= t < len(self._texts):
-            return self.push(t)  # (raises)
-        if not self._held:
+        if self._held or t < 0:
+            return self.push(t)
+        try:
             text = self._texts[t]
-            if text is not None:
-                return text
-        return self._decode(self._pieces[t])
+        except IndexError:
+            return self.push(t)  # (raises: not a token id)
+        return text if text is not None else self._decode(self._pieces[t])
 
     def flush(self) -> str:
         """End of sequence: the held-back bytes as U+FFFD (they never completed), or ""."""

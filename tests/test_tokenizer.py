@@ -199,6 +199,8 @@ def test_bad_token_ids_raise(tok: Tokenizer) -> None:
             tok.decode([1, bad])
         with pytest.raises(TokenizerError):
             tok.detokenizer().push(bad)
+        with pytest.raises(TokenizerError):
+            tok.detokenizer().push_all([bad])  # (its one-token path indexes a list)
 
 
 def test_lone_surrogates_are_rejected(tok: Tokenizer) -> None:
