@@ -430,7 +430,9 @@ class Scheduler:
         todo, self._unpublished = self._unpublished, []
         generated = 0
         done = Phase.DONE  # (a local: see `_reap`)
-        groups: dict[StepSink, tuple[list[tuple[Any, Delta]], list[Sequence]]] = {}
+        # each sink's (key, Delta) pairs; a Delta names its sequence (`_seqs`), should the
+        # sink fail (a list of the sequences beside them cost an append per row)
+        groups: dict[StepSink, list[tuple[Any, Delta]]] = {}
         ended: list[tuple[Sequence, FinishReason]] = []
         for seq in todo:
             if seq.phase is done:
@@ -445,11 +447,10 @@ class Scheduler:
                 events = seq.events
                 group = events.group
                 if group is not None and events.failure is None:
-                    batch = groups.get(group)
-                    if batch is None:
-                        groups[group] = batch = ([], [])
-                    batch[0].append((events.key, delta))
-                    batch[1].append(seq)
+                    items = groups.get(group)
+                    if items is None:
+                        groups[group] = items = []
+                    items.append((events.key, delta))
                 elif not events.emit(delta):
                     # The consumer closed its handle, or its sink failed.
                     failure = events.failure
@@ -458,13 +459,16 @@ class Scheduler:
                     continue
             if seq.ending is not None:
                 ended.append((seq, seq.ending))
-        for group, (items, seqs) in groups.items():
+        for group, items in groups.items():
             try:
                 group.deltas(items)
             except Exception as e:  # the sink took none of them, or some: they all end
-                log.exception("the step sink failed on %d Deltas (%s, ...)", len(seqs), seqs[0].id)
-                for seq in seqs:
-                    self._finish(seq, FinishReason.ERROR, seq.events.failed(e))
+                first = items[0][1].request_id
+                log.exception("the step sink failed on %d Deltas (%s, ...)", len(items), first)
+                for _, delta in items:
+                    owner = self._seqs.get(delta.request_id)  # (None: finished meanwhile)
+                    if owner is not None:
+                        self._finish(owner, FinishReason.ERROR, owner.events.failed(e))
         for seq, ending in ended:
             self._finish(seq, ending)  # (nothing, if a failed sink has ended it already)
         self._counters.generated_tokens += generated
