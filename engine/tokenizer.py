@@ -399,13 +399,17 @@ class IncrementalDetokenizer:
         t = token_ids[0]  # one token per step: the common case, in one call
         if t in skip:
             return ""
-        if self._held or t < 0:
-            return self.push(t)
-        try:
-            text = self._texts[t]
+        if t < 0:
+            return self.push(t)  # (raises: not a token id)
+        try:  # (the lists' own bounds check stands for the upper one)
+            if not self._held:
+                text = self._texts[t]
+                if text is not None:
+                    return text
+            piece = self._pieces[t]
         except IndexError:
             return self.push(t)  # (raises: not a token id)
-        return text if text is not None else self._decode(self._pieces[t])
+        return self._decode(piece)
 
     def flush(self) -> str:
         """End of sequence: the held-back bytes as U+FFFD (they never completed), or ""."""
