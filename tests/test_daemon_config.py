@@ -42,6 +42,7 @@ def test_the_example_config_is_valid_and_says_what_it_means(model: Path) -> None
     assert config.log_file is None and config.pid_file is None and config.memory_budget is None
     assert config.metrics_host_port == ("127.0.0.1", 9464)
     assert (config.prefix_cache, config.prefix_cache_interval) == (1 << 30, 1024)
+    assert config.prefix_cache_placement == "device"
     assert config.decode_ahead == "auto"
 
 
@@ -54,12 +55,14 @@ def test_sizes_lists_and_empty_strings_parse_from_the_environment(model: Path) -
         "SLOTSERVE_SPECULATION": "off",
         "SLOTSERVE_PREFIX_CACHE": "",
         "SLOTSERVE_PREFIX_CACHE_INTERVAL": "0",
+        "SLOTSERVE_PREFIX_CACHE_PLACEMENT": "host",
     }
     config = load(None, env, no_flags())
     assert config.memory_budget == 3 << 29
     assert config.endpoints == ("tcp://127.0.0.1:1", "ipc:///tmp/x")
     assert config.metrics_host_port is None and config.max_draft == 0
     assert config.prefix_cache is None and config.prefix_cache_interval == 0
+    assert config.prefix_cache_placement == "host"
 
 
 @pytest.mark.parametrize(
@@ -71,6 +74,7 @@ def test_sizes_lists_and_empty_strings_parse_from_the_environment(model: Path) -
         ('log_format = "xml"', "log_format: expected one of plain, json"),
         ('memory_budget = "lots"', "memory_budget: expected bytes"),
         ("prefix_cache_interval = -1", "prefix_cache_interval: expected an integer >= 0"),
+        ('prefix_cache_placement = "disk"', "prefix_cache_placement: expected one of device, host"),
         ('endpoints = ["http://x"]', "endpoints: expected tcp://host:port or ipc://path"),
         ('metrics_address = "9464"', 'metrics_address: expected "host:port"'),
         ("slot = 4", "slot: unknown key"),
@@ -240,3 +244,24 @@ def test_dense_weights_are_dequantized_at_load_and_stored_ones_are_not(
         built[weights] = scheduler.runner.model.tok_embd
     assert isinstance(built["stored"], QuantizedWeight)
     assert isinstance(built["dense"], mx.array)
+
+
+def test_prefix_cache_placement_reaches_the_scheduler_and_is_logged(
+    model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`prefix_cache_placement`: "device" by default (snapshots stay where MLX computes),
+    "host" moves them to host memory at the end of their step; the start log says where,
+    how much and what one snapshot takes."""
+    for placement in ("device", "host"):
+        caplog.clear()
+        env = {"SLOTSERVE_PREFIX_CACHE_PLACEMENT": placement, "SLOTSERVE_PREFIX_CACHE": "64MiB"}
+        config = load(None, env, no_flags(model=str(model), slots="1", context="64"))
+        with caplog.at_level("INFO"):
+            scheduler, _ = build_scheduler(config)
+        assert scheduler.config.prefix_cache is not None
+        assert scheduler.config.prefix_cache.placement == placement
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("prefix")]
+        assert lines == [
+            f"prefix cache: 64 MiB of {placement} memory; a snapshot of 64 tokens takes "
+            f"{scheduler.runner.pool.bytes_for(64) / 2**20:.1f} MiB"
+        ]
