@@ -442,13 +442,23 @@ class SlotPool:
         anything shares it a write into the pool cannot reuse it and copies the whole array."""
         self._check(slot)
         n, m = self.lengths[slot], self.mtp_lengths[slot]
-        at = slice(slot, slot + 1)  # (a slice is a view; an integer index would gather)
-        parts = [self.k[:, at, :n], self.v[:, at, :n], self.conv[:, at], self.ssm[:, at]]
-        if self.mtp_k is not None and self.mtp_v is not None:
-            parts += [self.mtp_k[at, :m], self.mtp_v[at, :m]]
-        copies = [fresh_copy(p) for p in parts]
+        copies = [fresh_copy(a[where]) for a, where in self._slot_parts(slot, n, m)]
         mx.async_eval(copies)
         return SlotCopy(n, m, copies)
+
+    def _slot_parts(self, slot: SlotId, n: int, m: int) -> list[tuple[mx.array, tuple[slice, ...]]]:
+        """Where a slot of `n` tokens (`m` in the MTP block) lies in the pool, as `SlotCopy`
+        holds it: (pool array, index) for k, v, conv, ssm and the MTP block's k, v. Slices
+        all: a view (an integer index would gather)."""
+        every, at = slice(None), slice(int(slot), int(slot) + 1)
+        parts: list[tuple[mx.array, tuple[slice, ...]]] = [
+            (self.k, (every, at, slice(0, n))),
+            (self.v, (every, at, slice(0, n))),
+        ]
+        parts += [(self.conv, (every, at)), (self.ssm, (every, at))]
+        if self.mtp_k is not None and self.mtp_v is not None:
+            parts += [(self.mtp_k, (at, slice(0, m))), (self.mtp_v, (at, slice(0, m)))]
+        return parts
 
     def restore(self, snap: SlotSnapshot | SlotCopy, slot: SlotId) -> None:
         """Make the allocated `slot` exactly what the copied one was, from host memory
@@ -477,31 +487,15 @@ class SlotPool:
         self._captures.pop(slot, None)
 
     def _restore_copy(self, copy: SlotCopy, slot: SlotId) -> None:
-        n, m, at = copy.length, copy.mtp_length, slice(int(slot), int(slot) + 1)
-        every = slice(None)
-        into: list[tuple[mx.array, tuple[slice, ...]]] = [
-            (self.k, (every, at, slice(0, n))),
-            (self.v, (every, at, slice(0, n))),
-        ]
-        into += [(self.conv, (every, at)), (self.ssm, (every, at))]
-        if self.mtp_k is not None and self.mtp_v is not None:
-            into += [(self.mtp_k, (at, slice(0, m))), (self.mtp_v, (at, slice(0, m)))]
-        if len(into) != len(copy.parts) or any(
-            part.shape != _sliced_shape(a.shape, where) or part.dtype != a.dtype
-            for (a, where), part in zip(into, copy.parts, strict=False)
-        ):
+        into = self._slot_parts(slot, copy.length, copy.mtp_length)
+        views = [a[where] for a, where in into]
+        if [(v.shape, v.dtype) for v in views] != [(c.shape, c.dtype) for c in copy.parts]:
             raise SlotStateError("snapshot was taken from a pool of another model")
         for (a, where), part in zip(into, copy.parts, strict=True):
             if part.size:
                 a[where] = part
-        self.lengths[slot], self.mtp_lengths[slot] = n, m
+        self.lengths[slot], self.mtp_lengths[slot] = copy.length, copy.mtp_length
         self._captures.pop(slot, None)
-
-
-def _sliced_shape(shape: Sequence[int], where: tuple[slice, ...]) -> tuple[int, ...]:
-    """The shape of `a[where]` for an array of `shape` (slices with steps of 1 only)."""
-    head = tuple(len(range(*w.indices(d))) for d, w in zip(shape, where, strict=False))
-    return head + tuple(shape[len(where) :])
 
 
 def entry(a: mx.array, i: int) -> mx.array:
