@@ -412,11 +412,13 @@ def takes_prologue(rows: int, K: int, dtype: mx.Dtype, w: Weight, kind: str = "a
     prologues fold away more than the products lose; not measured yet."""
     if kind not in PROLOGUES:
         raise ValueError(f"takes_prologue: no prologue {kind!r} (one of {', '.join(PROLOGUES)})")
-    if staged_enabled():  # any product it fits whose rows fit the stage
+    if not prologue_enabled():  # (the portable path: every layer of every eager step asks)
+        return False
+    if os.environ.get(STAGED_ENV, "0") == "1":  # any product it fits whose rows fit the stage
         if not (_fits(rows, K, dtype, w) and _stages(rows, K, dtype)):
             return False
         return not isinstance(w, QuantizedWeight) or _preferred(rows, w)
-    if not (prologue_enabled() and rows == 1):
+    if rows != 1:
         return False
     if isinstance(w, QuantizedWeight):
         allowed = os.environ.get("SLOTSERVE_GEMV_PROLOGUE_QUANTIZED", "").split(",")
