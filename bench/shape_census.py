@@ -38,7 +38,6 @@ from engine.cache import SlotPool
 from engine.gguf import GGUFFile
 from engine.models.qwen35 import load_model
 from engine.runner import ModelRunner
-from engine.spec.drafters import MTPDrafter
 from engine.spec.speculator import Speculator, default_drafters
 from engine.tokenizer import Tokenizer
 from scheduler import Request, Scheduler, SchedulerConfig, Speculation
@@ -65,10 +64,7 @@ def census(args: argparse.Namespace) -> dict[str, Any]:
     runner = ModelRunner(model, pool, compile=True)
     spec = Speculator(runner, args.k, drafters=default_drafters(runner))
     if args.uniform:  # a GPU's default row shapes, on any device
-        spec.uniform_verify = True
-        for d in spec.drafters:
-            if isinstance(d, MTPDrafter):
-                d.uniform = True
+        spec.use_uniform_shapes(True)
     seen: collections.Counter[tuple[object, ...]] = collections.Counter()
     cold: collections.Counter[str] = collections.Counter()
     calls: collections.Counter[str] = collections.Counter()

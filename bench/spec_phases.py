@@ -33,7 +33,6 @@ import mlx.core as mx
 from spec_decode import held_out_prompts, speculator
 
 from engine.models.qwen35 import load_model
-from engine.spec.drafters import MTPDrafter
 from engine.spec.offline import Request, generate
 
 CONFIGS = [("plain", "off"), ("ngram", "on"), ("ngram", "auto"), ("mtp", "on"), ("mtp", "auto")]
@@ -45,11 +44,8 @@ def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: 
     K = args.k
     spec = speculator(model, drafter, prompts, args, None)  # (spec_decode's engine)
     runner, pool = spec.runner, spec.runner.pool
-    if args.uniform:  # a GPU's default shapes, on any device
-        spec.uniform_verify = True
-        for d in spec.drafters:
-            if isinstance(d, MTPDrafter):
-                d.uniform = True
+    if args.uniform:  # a GPU's default row shapes, on any device
+        spec.use_uniform_shapes(True)
     requests = [Request(p, args.gen, speculation=mode) for p in prompts]
     for _ in range(args.warmup):  # kernel builds, compiled shapes, the controller
         generate(spec, requests)

@@ -132,10 +132,7 @@ def test_uniform_verify_rows_keep_greedy_output_and_make_every_layout_uniform(
     requests = [Request(p, N_GEN, speculation=m) for p, m in zip(prompts(8), MODES, strict=True)]
     for uniform in (True, False):
         spec = speculator(model, drafters, 8)
-        spec.uniform_verify = uniform
-        for d in spec.drafters:
-            if isinstance(d, MTPDrafter):
-                d.uniform = uniform  # its catch-up rows too
+        spec.use_uniform_shapes(uniform)  # its MTP head's catch-up rows too
         tokens, verify, catch_up = run_recording_layouts(spec, requests)
         assert tokens == [solo(r.prompt) for r in requests]
         assert verify and ("mtp" in drafters) == bool(catch_up)

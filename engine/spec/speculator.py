@@ -284,6 +284,15 @@ class Speculator:
                 if d.needs_hidden(row.slot):
                     d.observe(row.slot, row.start, output.hidden, output.taps)
 
+    def use_uniform_shapes(self, on: bool) -> None:
+        """Uniform verify rows, and uniform rounds for its MTP drafters (catch-up rows and
+        draft chains), on or off together: a compiled runner on a GPU has them on by default;
+        benchmarks and tests turn them on on any device to meet a GPU's row shapes."""
+        self.uniform_verify = on
+        for d in self.drafters:
+            if isinstance(d, MTPDrafter):
+                d.uniform = on
+
     def release(self, slot: SlotId) -> None:
         """Forget the slot's request (call when it ends). Its telemetry is the caller's, from
         each step's `Committed` (`SpecStats.record`)."""
