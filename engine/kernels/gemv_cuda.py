@@ -26,10 +26,16 @@ from engine.kernels.cuda import cached_kernel, switched_on
 MAX_ROWS = 8  # rows of x a launch takes (its accumulators live in registers)
 _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
 
-_HEAD = """
+# The constants both kernels start from.
+_CONSTANTS = """
     constexpr int XV = 16 / sizeof(T);  // x values per 16-byte load
     constexpr int PER_WORD = BITS < 16 ? 32 / BITS : 1;  // quantized values per 32-bit word
     constexpr unsigned MASK = BITS < 16 ? (1u << (BITS & 15)) - 1 : 0u;
+"""
+
+_HEAD = (
+    _CONSTANTS
+    + """\
     // read, not baked in: one build per row count (a SwiGLU input is gate|up, 2K wide)
     const long K = PRO == 2 ? x_shape[1] / 2 : x_shape[1], N = w_shape[0];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -105,6 +111,7 @@ _HEAD = """
         }
     };
 """
+)
 
 # The product itself: the lane's weights along K, dequantized once for all rows of x, against
 # the x values `load_x` gives (the two kernels' heads define it, and `warp`, `row0`).
@@ -212,10 +219,9 @@ _SOURCE = _HEAD + _PRODUCT + _TAIL
 # The staged kernel (`STAGED_ENV`): a block of G groups of SPLIT warps, each group OUTS
 # outputs; the input rows made once per block into shared memory (`R * K` values), so a
 # prologue costs a block one pass over its rows, not one per 16-byte weight load.
-_STAGED_HEAD = """
-    constexpr int XV = 16 / sizeof(T);  // x values per 16-byte load
-    constexpr int PER_WORD = BITS < 16 ? 32 / BITS : 1;  // quantized values per 32-bit word
-    constexpr unsigned MASK = BITS < 16 ? (1u << (BITS & 15)) - 1 : 0u;
+_STAGED_HEAD = (
+    _CONSTANTS
+    + """\
     constexpr int NT = 32 * SPLIT * G;  // the block's threads
     const long K = PRO == 2 ? x_shape[1] / 2 : x_shape[1], N = w_shape[0];
     const int lane = threadIdx.x & 31;
@@ -295,6 +301,7 @@ _STAGED_HEAD = """
         for (int e = 0; e < XV; ++e) xv[e] = static_cast<float>(reinterpret_cast<const T*>(&xu)[e]);
     };
 """
+)
 
 _STAGED_TAIL = """\
     __shared__ float part[G][SPLIT][R][OUTS];
