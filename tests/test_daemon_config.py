@@ -9,8 +9,9 @@ import mlx.core as mx
 import pytest
 
 from engine.gguf import QuantizedWeight
+from scheduler import prefix_reuse
 from transport import cli
-from transport.config import KEYS, ConfigError, DaemonConfig, load
+from transport.config import KEYS, PLACEMENTS, ConfigError, DaemonConfig, load
 from transport.daemon import build_scheduler, compute_dtype, on_a_gpu_if_auto
 
 EXAMPLE = Path(__file__).parent.parent / "deploy" / "slotserve.toml"
@@ -252,7 +253,8 @@ def test_prefix_cache_placement_reaches_the_scheduler_and_is_logged(
     """`prefix_cache_placement`: "device" by default (snapshots stay where MLX computes),
     "host" moves them to host memory at the end of their step; the start log says where,
     how much and what one snapshot takes."""
-    for placement in ("device", "host"):
+    assert PLACEMENTS == prefix_reuse.PLACEMENTS  # (the config's copy, kept free of MLX)
+    for placement in PLACEMENTS:
         caplog.clear()
         env = {"SLOTSERVE_PREFIX_CACHE_PLACEMENT": placement, "SLOTSERVE_PREFIX_CACHE": "64MiB"}
         config = load(None, env, no_flags(model=str(model), slots="1", context="64"))
