@@ -45,12 +45,28 @@ class SlotStateError(PoolError):
 
 @dataclass
 class SlotCapture:
-    """What a capture row left for one slot: its start and, per linear layer, window and states."""
+    """What a capture row left for one slot: its start and length, and where its entries lie
+    in its step's captures — per linear layer, the step's arrays whole, shared by all of the
+    step's capture rows. (Committing a verify step used to take a view of each row's window
+    and states out of each layer's capture, 3 graph nodes apiece: 864 for 8 rows of a
+    0.8B-shaped model, host work that launched nothing; docs/PERFORMANCE.md, session 10.)"""
 
     start: int
     length: int
-    windows: list[mx.array]  # [Kc-1+T, Cc] per linear layer
-    states: list[mx.array]  # [T+1, Hv, dv, dk]: the state before the row, then after each position
+    row: int  # the slot's index among the step's capture rows
+    captures: tuple[LinearCapture, ...]  # per linear layer, the step's
+
+    @property
+    def windows(self) -> list[mx.array]:
+        """Per linear layer, the row's conv inputs `[Kc-1+length, Cc]` (views)."""
+        pad = self.captures[0].states.shape[1] - 1 - self.length  # the longest row's extra
+        return [entry(c.windows, self.row)[: c.windows.shape[1] - pad] for c in self.captures]
+
+    @property
+    def states(self) -> list[mx.array]:
+        """Per linear layer, the recurrent state before the row and after each of its
+        positions, `[length+1, Hv, dv, dk]` (views)."""
+        return [entry(c.states, self.row)[: self.length + 1] for c in self.captures]
 
 
 @dataclass
@@ -312,18 +328,10 @@ class SlotPool:
         """After a step's write: advance lengths, keep what capture rows left for rollback."""
         for slot in slots:
             self._captures.pop(slot, None)  # a capture is only good until the slot's next step
-        linear = [c for c in captures if c is not None]
+        linear = tuple(c for c in captures if c is not None)
         if linear:
             for j, row in enumerate(linear[0].rows):
-                slot, n = slots[row], lengths[row]
-                self._captures[slot] = SlotCapture(
-                    start=starts[row],
-                    length=n,
-                    windows=[
-                        entry(c.windows, j)[: self.config.conv_kernel - 1 + n] for c in linear
-                    ],
-                    states=[entry(c.states, j)[: n + 1] for c in linear],
-                )
+                self._captures[slots[row]] = SlotCapture(starts[row], lengths[row], j, linear)
         for slot, n in zip(slots, lengths, strict=True):
             self.lengths[slot] += n
 
@@ -399,12 +407,31 @@ class SlotPool:
             raise SlotStateError(f"a slot appears more than once in a rollback: {slots}")
         if not keeps:
             return
-        Kc, L, R = self.config.conv_kernel, len(caps[0].windows), len(keeps)
-        pairs = list(zip(caps, (keep for _, keep in keeps), strict=True))
-        conv = stack_cuda.stack([c.windows[i][k : k + Kc - 1] for i in range(L) for c, k in pairs])
-        ssm = stack_cuda.stack([entry(c.states[i], k) for i in range(L) for c, k in pairs])
+        L, R = len(caps[0].captures), len(keeps)
+        # Each layer's captures as flat entries (a reshape, a view, once per step they came
+        # from), then one slice per row and layer: the kept conv window is Kc - 1 entries of
+        # the row's window, the kept recurrent state one entry of its states.
+        flat: dict[int, list[tuple[mx.array, mx.array]]] = {}
+        for cap in caps:
+            if id(cap.captures) not in flat:
+                flat[id(cap.captures)] = [
+                    (
+                        c.windows.reshape(-1, *c.windows.shape[2:]),
+                        c.states.reshape(-1, *c.states.shape[2:]),
+                    )
+                    for c in cap.captures
+                ]
+        Kc, windows, states = self.config.conv_kernel, [], []
+        for i in range(L):
+            for cap, (_, keep) in zip(caps, keeps, strict=True):
+                w, st = flat[id(cap.captures)][i]
+                at = cap.row * cap.captures[i].windows.shape[1] + keep
+                windows.append(w[at : at + Kc - 1])
+                at = cap.row * cap.captures[i].states.shape[1] + keep
+                states.append(st[at : at + 1])
+        conv, ssm = stack_cuda.stack(windows), stack_cuda.stack(states)
         put_slots(self.conv, slots, conv.reshape(L, R, *conv.shape[1:]), self.MAX_RUNS)
-        put_slots(self.ssm, slots, ssm.reshape(L, R, *ssm.shape[1:]), self.MAX_RUNS)
+        put_slots(self.ssm, slots, ssm.reshape(L, R, *ssm.shape[2:]), self.MAX_RUNS)
         for (slot, keep), cap in zip(keeps, caps, strict=True):
             self.lengths[slot] = cap.start + keep
             self.mtp_lengths[slot] = min(self.mtp_lengths[slot], self.lengths[slot])
