@@ -28,9 +28,20 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_setting(text: str) -> tuple[str, dict[str, str]]:
-    """`name:VAR=value,VAR=value` -> (name, env)."""
+    """`name:VAR=value,VAR=value` -> (name, env). A comma not followed by `VAR=` belongs to
+    the value (`q:SLOTSERVE_GEMV_PROLOGUE_QUANTIZED=swiglu,add_norm`)."""
     name, _, rest = text.partition(":")
-    env = dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+    env: dict[str, str] = {}
+    last = None
+    for piece in rest.split(","):
+        key, eq, value = piece.partition("=")
+        if eq and key.isidentifier():
+            env[key] = value
+            last = key
+        elif last is not None and piece:
+            env[last] += "," + piece
+        elif piece:
+            raise argparse.ArgumentTypeError(f"setting {text!r}: {piece!r} is not VAR=value")
     return name, env
 
 
