@@ -65,6 +65,7 @@ def census(args: argparse.Namespace) -> dict[str, Any]:
     spec = Speculator(runner, args.k, drafters=default_drafters(runner))
     if args.uniform:  # a GPU's default row shapes, on any device
         spec.use_uniform_shapes(True)
+        runner.pad_widths = not args.no_pad
     seen: collections.Counter[tuple[object, ...]] = collections.Counter()
     cold: collections.Counter[str] = collections.Counter()
     calls: collections.Counter[str] = collections.Counter()
@@ -144,6 +145,9 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--uniform", action="store_true", help="a GPU's row shapes on any device")
+    p.add_argument(
+        "--no-pad", action="store_true", help="with --uniform: decode and verify widths unpadded"
+    )
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     r = census(args)

@@ -174,6 +174,10 @@ class ModelRunner:
         self._compiled: OrderedDict[tuple[object, ...], Callable[..., Any]] = OrderedDict()
         self._sightings: OrderedDict[tuple[object, ...], int] = OrderedDict()  # not yet compiled
         self.compile_after = self.COMPILE_AFTER
+        # Decode and verify steps run at a padded width (`padded_width`): a compiled runner on
+        # a GPU, where a batch of a width not compiled yet costs tens of ms and a few more
+        # rows almost nothing (the step is bound by its launches, not by its rows).
+        self.pad_widths = compile and mx.default_device() == mx.gpu
         self.last_host_s = 0.0
         self.last_tokens = 0  # tokens of the last step, all rows together
         # Steps (and drafts) of a compiled runner that ran a batch shape not compiled yet —
@@ -197,26 +201,40 @@ class ModelRunner:
         self.last_tokens = sum(lengths)
         taps = self._taps(batch)
 
-        layout = Layout.build(lengths, starts, capture)
         past = self.past_for(max(starts))
         tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, lengths)
         offsets = itertools.accumulate(lengths, initial=0)
         picked = [o + i for o, r in zip(offsets, batch, strict=False) for i in r.wanted]
-        inputs = [
-            _token_array(batch),
-            mx.array(picked, dtype=mx.int32),
-            *layout.arrays(),
-        ]
+        tokens = [int(t) for r in batch for t in r.tokens]
+        real = (len(batch), sum(lengths), len(picked))  # rows, tokens, outputs
+        pads: list[SlotId] = []
+        if min(lengths) == max(lengths) and len(set(capture)) == 1:  # decode or uniform verify
+            pads = self._pad_slots(slots, self.padded_width(len(batch)))
+        if pads:  # rows like the first on other slots: read, never written, outputs dropped
+            first = batch[0]
+            picked += [real[1] + j * lengths[0] + i for j in range(len(pads)) for i in first.wanted]
+            tokens += [int(t) for t in first.tokens] * len(pads)
+        extra = len(pads)
+        layout = Layout.build(
+            lengths + lengths[:1] * extra,
+            starts + starts[:1] * extra,
+            capture + capture[:1] * extra,
+        )
+        inputs = [mx.array(tokens, dtype=mx.int32), mx.array(picked, dtype=mx.int32)]
         fn = self._forward_fn(shape_key(layout, len(picked), past, taps), layout, taps)
         # The pool is read and written outside the compiled graph: eager scatters update
         # it in place, while a compiled graph would copy every state array each step.
-        logits, hidden, new, captures, tapped_list = fn(inputs, self.pool.read(slots, past))
+        logits, hidden, new, captures, tapped_list = fn(
+            [*inputs, *layout.arrays()], self.pool.read(slots + pads, past)
+        )
+        if pads:
+            logits, hidden, new, tapped_list = _real_rows(real, logits, hidden, new, tapped_list)
         self.last_host_s = time.perf_counter() - t0  # building inputs and the graph
         # Compute everything before touching the pool: a step that fails here (bad
         # input, device fault) leaves every slot exactly as it was.
         mx.eval(logits, hidden, new, captures, tapped_list)
         tapped = tapped_list[0] if tapped_list else None
-        captured = _unflatten_captures(self.model, layout, captures)
+        captured = _unflatten_captures(self.model, layout, captures, real[0])
         self._store(slots, starts, lengths, tok_slot, tok_pos, new, captured)
 
         out, at = StepOutput(), 0
@@ -252,11 +270,18 @@ class ModelRunner:
         if tokens.shape != (n,):
             raise BatchError(f"tokens of shape {tokens.shape} for {n} decode rows")
         self.pool.check_rows(slots, starts, [1] * n, [False] * n)
-        layout = Layout.build([1] * n, starts, [False] * n)
+        pads = self._pad_slots(slots, self.padded_width(n))
+        width = n + len(pads)
+        layout = Layout.build([1] * width, starts + starts[:1] * len(pads), [False] * width)
         past = self.past_for(max(starts))
-        fn = self._forward_fn(shape_key(layout, n, past, ()), layout, ())
-        inputs = [tokens.astype(mx.int32), mx.arange(n, dtype=mx.int32), *layout.arrays()]
-        logits, hidden, new, _, _ = fn(inputs, self.pool.read(slots, past))
+        fn = self._forward_fn(shape_key(layout, width, past, ()), layout, ())
+        fed = tokens.astype(mx.int32)
+        if pads:  # rows on other slots, read and never written; their outputs dropped
+            fed = mx.pad(fed, [(0, len(pads))])
+        inputs = [fed, mx.arange(width, dtype=mx.int32), *layout.arrays()]
+        logits, hidden, new, _, _ = fn(inputs, self.pool.read(slots + pads, past))
+        if pads:
+            logits, hidden, new, _ = _real_rows((n, n, n), logits, hidden, new, [])
         self.last_host_s, self.last_tokens = time.perf_counter() - t0, n
         kept = hidden if want_hidden else None
         mx.async_eval(logits, new, *([] if kept is None else [kept]))
@@ -314,6 +339,26 @@ class ModelRunner:
         if self.compile and past > self.PAST_LINEAR:
             past = 1 << (past - 1).bit_length()
         return min(self.pool.max_context, past)
+
+    def padded_width(self, n: int) -> int:
+        """The width a decode or verify step of `n` rows runs at: with `pad_widths`, `n`
+        rounded up to 1, 2, 4, 8 or a multiple of 8 (at most the pool's slots), so a batch
+        whose width drifts as requests come and go meets a few compiled shapes per past
+        bucket, not one per width (64 slots: 11, not 64); else `n`."""
+        if not self.pad_widths:
+            return n
+        width = 1 << (n - 1).bit_length() if n <= 8 else -(-n // 8) * 8
+        return min(width, self.pool.n_slots)
+
+    def _pad_slots(self, slots: list[SlotId], width: int) -> list[SlotId]:
+        """`width - len(slots)` slots outside `slots` for padding rows — after the batch's
+        last slot first, so the pool's read stays one run of slices where it was one."""
+        need = width - len(slots)
+        if need <= 0:
+            return []
+        taken, last = set(slots), slots[-1]
+        order = itertools.chain(range(last + 1, self.pool.n_slots), range(last))
+        return [SlotId(s) for s in itertools.islice((s for s in order if s not in taken), need)]
 
     def _taps(self, batch: Sequence[Row]) -> tuple[int, ...]:
         """The trunk layers any row taps, in order; raises on a layer the model lacks."""
@@ -584,11 +629,32 @@ def _token_array(batch: Sequence[Row] | Sequence[DraftRow]) -> mx.array:
     return mx.array([int(t) for r in batch for t in r.tokens], dtype=mx.int32)
 
 
+def _real_rows(
+    real: tuple[int, int, int],
+    logits: mx.array,
+    hidden: mx.array,
+    new: list[mx.array],
+    tapped: list[mx.array],
+) -> tuple[mx.array, mx.array, list[mx.array], list[mx.array]]:
+    """A padded step's outputs cut to its `real` (rows, tokens, outputs), the padding rows
+    last in each: views, no copies."""
+    rows, tokens, outputs = real
+    k, v, conv, ssm = new
+    return (
+        logits[:outputs],
+        hidden[:outputs],
+        [k[:, :tokens], v[:, :tokens], conv[:, :rows], ssm[:, :rows]],
+        [t[:outputs] for t in tapped],
+    )
+
+
 def _unflatten_captures(
-    model: Model, layout: Layout, flat: list[mx.array]
+    model: Model, layout: Layout, flat: list[mx.array], rows_kept: int | None = None
 ) -> list[LinearCapture | None]:
-    """Per trunk layer, the capture of the batch's capture rows (linear layers only)."""
-    rows = layout.capture_rows
+    """Per trunk layer, the capture of the batch's capture rows (linear layers only): of
+    the first `rows_kept` rows only, when given (a padded step's real rows; the captures
+    keep their padding rows' entries, after the real rows', unread)."""
+    rows = tuple(r for r in layout.capture_rows if rows_kept is None or r < rows_kept)
     if not rows:
         return [None] * len(model.layers)
     out: list[LinearCapture | None] = []

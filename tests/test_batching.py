@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_pool import snapshots_equal
 
 from engine.cache import SlotId, SlotPool
 from engine.models.qwen35 import Model, load_model
@@ -60,9 +61,11 @@ def solo(model: Model) -> Callable[[list[int], int], tuple[list[int], list[np.nd
     return run
 
 
-def simulate(model: Model, requests: list[Request], n_slots: int) -> None:
-    """Admit by arrival into free slots; every step runs ONE batch over all active slots."""
+def simulate(model: Model, requests: list[Request], n_slots: int, pad: bool = False) -> None:
+    """Admit by arrival into free slots; every step runs ONE batch over all active slots
+    (`pad`: decode steps at a padded width, as a compiled runner on a GPU runs them)."""
     runner = ModelRunner(model, SlotPool(model.config, n_slots, CONTEXT, kv_dtype=mx.float32))
+    runner.pad_widths = pad
     pool = runner.pool
     waiting = sorted(requests, key=lambda r: r.arrival)
     active: list[Request] = []
@@ -117,14 +120,19 @@ request_st = st.builds(
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(requests=st.lists(request_st, min_size=1, max_size=8), n_slots=st.integers(1, 8))
+@given(
+    requests=st.lists(request_st, min_size=1, max_size=8),
+    n_slots=st.integers(1, 8),
+    pad=st.booleans(),
+)
 def test_batched_greedy_equals_solo(
     model: Model,
     solo: Callable[[list[int], int], tuple[list[int], list[np.ndarray]]],
     requests: list[Request],
     n_slots: int,
+    pad: bool,
 ) -> None:
-    simulate(model, requests, n_slots)
+    simulate(model, requests, n_slots, pad)
     assert_matches_solo(requests, solo)
 
 
@@ -137,18 +145,22 @@ def test_long_staggered_eviction_scenario_is_stable(
         ([int(t) for t in rng.integers(0, 512, 3 + 2 * i)], 2 + i % 5, i, 1 + i % 6)
         for i in range(12)
     ]
-    for _ in range(40):
+    for i in range(40):
         requests = [Request(list(p), g, a, c) for p, g, a, c in specs]
-        simulate(model, requests, n_slots=4)
+        simulate(model, requests, n_slots=4, pad=i % 2 == 1)
         assert_matches_solo(requests, solo)
 
 
-def test_slots_outside_the_batch_are_untouched(model: Model) -> None:
+@pytest.mark.parametrize("pad", [False, True])
+def test_slots_outside_the_batch_are_untouched(model: Model, pad: bool) -> None:
+    """Padded (`pad`), a 3-row step also reads the fourth slot for its padding row: it still
+    leaves it as it was, bit for bit."""
     runner = ModelRunner(model, SlotPool(model.config, 4, CONTEXT, kv_dtype=mx.float32))
+    runner.pad_widths = pad
     pool = runner.pool
     slots = [pool.allocate() for _ in range(4)]
     runner.step([Row(s, [1 + s, 2, 3, 4 + s][: 2 + s], 0) for s in slots])
-    for batch in ([slots[0]], [slots[1], slots[3]], [slots[2]]):
+    for batch in ([slots[0]], [slots[1], slots[3]], [slots[2]], slots[:3], slots[1:]):
         before = {s: pool.snapshot(s) for s in slots if s not in batch}
         runner.step([Row(s, [5], pool.lengths[s]) for s in batch])
         for s, snap in before.items():
@@ -159,6 +171,34 @@ def test_slots_outside_the_batch_are_untouched(model: Model) -> None:
             ):
                 for x, y in zip(a, b, strict=True):
                     assert np.array_equal(x, y)
+    assert any(key[:2] == (4, 1) for key in runner._compiled) == pad  # 3 rows ran as 4
+
+
+def test_a_padded_launch_equals_an_unpadded_step(model: Model) -> None:
+    """A decode step queued ahead (`launch`, `adopt`) at a padded width gives the rows what an
+    unpadded `step` gives them, and leaves the slot its padding row read as it was."""
+    prompts = [[3, 1, 4, 1], [5, 9], [2, 6, 5, 3, 5], [8, 9, 7]]
+    runs = []
+    for pad in (False, True):
+        runner = ModelRunner(model, SlotPool(model.config, 4, CONTEXT, kv_dtype=mx.float32))
+        runner.pad_widths = pad
+        pool = runner.pool
+        slots = [pool.allocate() for _ in prompts]
+        runner.step([Row(s, p, 0) for s, p in zip(slots, prompts, strict=True)])
+        idle = pool.snapshot(slots[3])
+        if pad:
+            out = runner.adopt(runner.launch(slots[:3], mx.array([7, 8, 9])), range(3))
+        else:
+            out = runner.step(
+                [Row(s, [t], pool.lengths[s]) for s, t in zip(slots[:3], [7, 8, 9], strict=True)]
+            )
+        assert snapshots_equal(pool.snapshot(slots[3]), idle)
+        runs.append(([np.array(r.logits) for r in out.rows], [pool.snapshot(s) for s in slots]))
+    (plain_logits, plain_slots), (padded_logits, padded_slots) = runs
+    for a, b in zip(plain_logits, padded_logits, strict=True):
+        assert np.abs(a - b).max() <= 1e-5 * np.abs(a).max()
+    for a, b in zip(plain_slots, padded_slots, strict=True):
+        assert snapshots_equal(a, b, atol=1e-5)
 
 
 @pytest.mark.parametrize("compile", [False, True])

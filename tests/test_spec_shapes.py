@@ -52,6 +52,7 @@ class Counted:
         pool = SlotPool(model.config, N, 192, mx.float32, max_draft=K)
         self.runner = runner = ModelRunner(model, pool, compile=True)
         runner.compile_after = 1  # every shape compiled at once: a miss is a new shape
+        runner.pad_widths = True  # as on a GPU
         chosen: list[Drafter] = [NgramDrafter()] if "ngram" in drafters else []
         chosen.append(MTPDrafter(runner, uniform=True))
         self.spec = Speculator(runner, K, chosen, uniform_verify=True)
