@@ -11,7 +11,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 import pytest
-from gpu_paths import assert_as_close_as, on_cpu, two_steps
+from gpu_paths import PROMPTS, assert_as_close_as, on_cpu, two_steps
 
 from engine.gguf import QuantizedWeight, Weight
 from engine.kernels import add_norm_cuda, gemv_cuda, swiglu_cuda
@@ -23,20 +23,21 @@ pytestmark = pytest.mark.skipif(not available(), reason="needs MLX's CUDA backen
 ONE = [[3, 9, 27, 81, 243]]  # one sequence: its decode steps are the one-row products
 
 
-@pytest.mark.parametrize("staged", ["0", "1"])
+@pytest.mark.parametrize("staged", ["0", "1", "rows"])
 @pytest.mark.parametrize("preset", ["tiny", "tiny-next"])
 def test_a_model_through_the_prologues_matches_the_portable_path(
     make_model: Callable[..., Path], preset: str, staged: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Float matrices and one row: where the prologues run (staged: every product of the
-    model they fit). First in the file: a time-limited GPU run reaches the model before the
-    kernel variants below are built."""
+    """Float matrices: where the prologues run — one row ("0"; "1": staged, every product of
+    the model they fit) or three (the default "rows": staged at 2-8 rows). First in the file:
+    a time-limited GPU run reaches the model before the kernel variants below are built."""
     path = make_model(preset, quant="f32")
+    prompts = PROMPTS if staged == "rows" else ONE
     monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "0")
-    portable = two_steps(path, prompts=ONE)
+    portable = two_steps(path, prompts=prompts)
     monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "1")
     monkeypatch.setenv(gemv_cuda.STAGED_ENV, staged)
-    assert_as_close_as(two_steps(path, prompts=ONE), portable, on_cpu(path, prompts=ONE))
+    assert_as_close_as(two_steps(path, prompts=prompts), portable, on_cpu(path, prompts=prompts))
 
 
 def _weight(kind: str, N: int, K: int, dtype: mx.Dtype) -> Weight:
@@ -127,10 +128,24 @@ def test_add_norm_prologue_matches_the_two_kernels(
 
 
 def test_routing_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Only where it measured faster: one row of a small float matrix."""
+    """Only where it measured faster: one row of a small float matrix, and (staged, the
+    default "rows") float matrices at 2 to 8 rows."""
+    monkeypatch.delenv(gemv_cuda.STAGED_ENV, raising=False)
     w = _weight("float", 300, 256, mx.bfloat16)
     assert gemv_cuda.takes_prologue(1, 256, mx.bfloat16, w)
+    assert gemv_cuda.takes_prologue(2, 256, mx.bfloat16, w)
+    assert gemv_cuda.takes_prologue(8, 256, mx.bfloat16, w)
+    assert not gemv_cuda.takes_prologue(9, 256, mx.bfloat16, w)  # past the kernel's rows
+    assert not gemv_cuda.takes_prologue(8, 256, mx.bfloat16, _weight("q8", 300, 256, mx.bfloat16))
+    wide32 = _weight("float", 64, 4096, mx.float32)
+    assert gemv_cuda.takes_prologue(2, 4096, mx.float32, wide32)  # 32 KiB of rows
+    assert not gemv_cuda.takes_prologue(3, 4096, mx.float32, wide32)  # 48: past the stage
+    monkeypatch.setenv(gemv_cuda.STAGED_ENV, "0")
     assert not gemv_cuda.takes_prologue(2, 256, mx.bfloat16, w)
+    monkeypatch.setenv(gemv_cuda.STAGED_ENV, "2")
+    with pytest.raises(ValueError, match="SLOTSERVE_GEMV_STAGED"):
+        gemv_cuda.takes_prologue(2, 256, mx.bfloat16, w)
+    monkeypatch.delenv(gemv_cuda.STAGED_ENV)
     assert not gemv_cuda.takes_prologue(1, 256, mx.bfloat16, _weight("q8", 300, 256, mx.bfloat16))
     big = mx.zeros((4096, 4096), dtype=mx.bfloat16)  # 32 MiB: its read outweighs a launch
     assert not gemv_cuda.takes_prologue(1, 4096, mx.bfloat16, big)

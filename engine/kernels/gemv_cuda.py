@@ -398,11 +398,30 @@ STAGED_GROUPS = 8  # output groups per block of the staged kernel (with one warp
 # `split` warps sharing K, 8 // split groups)
 
 
-def staged_enabled() -> bool:
-    """Whether prologues run in the staged kernel, which makes a block's input rows once in
-    shared memory (SLOTSERVE_GEMV_STAGED=1; off by default: not yet measured on a GPU). With it
-    on, a prologue also takes products of up to `MAX_ROWS` rows whose rows fit the stage."""
-    return prologue_enabled() and os.environ.get(STAGED_ENV, "0") == "1"
+STAGED_MODES = ("0", "1", "rows")
+
+
+def staged_mode() -> str:
+    """Where prologues run in the staged kernel, which makes a block's input rows once in
+    shared memory (SLOTSERVE_GEMV_STAGED): "rows" (the default) for float products of 2 to
+    `MAX_ROWS` rows — measured on the H200 (docs/PERFORMANCE.md, session 10: 0.8B-shaped
+    bf16 at N = 8 with decode-ahead, 12% and 14% faster than cuBLASLt's products beside
+    separate add + RMSNorm and SwiGLU kernels, two pairs in one call), while one row stays
+    on the unstaged prologue and quantized products on their own kernel (the 9B's one-row
+    q8_0 products were 12% slower staged); "1" every product whose rows fit the stage;
+    "0" none."""
+    mode = os.environ.get(STAGED_ENV, "rows")
+    if mode not in STAGED_MODES:
+        raise ValueError(f"{STAGED_ENV}={mode!r}: one of {', '.join(STAGED_MODES)}")
+    return mode if prologue_enabled() else "0"
+
+
+def _staged(rows: int, K: int, dtype: mx.Dtype, w: Weight) -> bool:
+    """Whether a prologue product of `rows` rows of width `K` runs in the staged kernel."""
+    mode = staged_mode()
+    if mode == "0" or not _stages(rows, K, dtype):
+        return False
+    return mode == "1" or (rows >= 2 and not isinstance(w, QuantizedWeight))
 
 
 def _stages(rows: int, K: int, dtype: mx.Dtype) -> bool:
@@ -411,21 +430,23 @@ def _stages(rows: int, K: int, dtype: mx.Dtype) -> bool:
 
 def takes_prologue(rows: int, K: int, dtype: mx.Dtype, w: Weight, kind: str = "add_norm") -> bool:
     """Whether a product of `rows` rows of width `K` in `dtype` (as the prologue will make
-    them) by `w` takes a fused prologue of `kind` (one of `PROLOGUES`): switched on, one row,
+    them) by `w` takes a fused prologue of `kind` (one of `PROLOGUES`), switched on: where
+    `staged_mode` stages it (by default float matrices at 2 to `MAX_ROWS` rows); at one row,
     a float matrix of less than `PROLOGUE_MAX_BYTES` in a layout the kernel reads — or, for
     the kinds SLOTSERVE_GEMV_PROLOGUE_QUANTIZED names (comma-separated; none by default), a
-    quantized matrix this kernel is preferred for. That switch is for measuring: a host-bound
-    9B-shaped step (session 9: ~287 launches, ~11 µs each) may gain from the 96 launches the
-    prologues fold away more than the products lose; not measured yet."""
+    quantized matrix this kernel is preferred for. That switch is for measuring (the 9B at
+    one row, session 10: 162 tok/s with "swiglu", 177 without)."""
     if kind not in PROLOGUES:
         raise ValueError(f"takes_prologue: no prologue {kind!r} (one of {', '.join(PROLOGUES)})")
     if not prologue_enabled():  # (the portable path: every layer of every eager step asks)
         return False
-    if os.environ.get(STAGED_ENV, "0") == "1":  # any product it fits whose rows fit the stage
+    if staged_mode() == "1":  # any product it fits whose rows fit the stage
         if not (_fits(rows, K, dtype, w) and _stages(rows, K, dtype)):
             return False
         return not isinstance(w, QuantizedWeight) or _preferred(rows, w)
-    if rows != 1:
+    if rows > 1:  # "rows": float products whose rows fit the stage
+        return _fits(rows, K, dtype, w) and _staged(rows, K, dtype, w)
+    if rows < 1:
         return False
     if isinstance(w, QuantizedWeight):
         allowed = os.environ.get("SLOTSERVE_GEMV_PROLOGUE_QUANTIZED", "").split(",")
@@ -475,7 +496,7 @@ def add_norm_gemv_cuda(
             f"norm {norm.shape} do not fit this kernel's layouts"
         )
     inputs = [x, m, norm.astype(mx.float32)]
-    staged = staged_enabled() and _stages(R, K, x.dtype)
+    staged = _staged(R, K, x.dtype, w)
     out, h = _launch(_ADD_NORM, inputs, w, R, outs, unroll, split, eps=eps, staged=staged)
     return h, out
 
@@ -489,7 +510,7 @@ def swiglu_gemv_cuda(
     R, K2 = gu.shape if gu.ndim == 2 else (0, 1)
     if K2 % 2 or not _fits(R, K2 // 2, gu.dtype, w):
         raise ValueError(f"swiglu_gemv_cuda: gu {gu.shape} {gu.dtype} does not fit this kernel")
-    staged = staged_enabled() and _stages(R, K2 // 2, gu.dtype)
+    staged = _staged(R, K2 // 2, gu.dtype, w)
     (out,) = _launch(_SWIGLU, [gu], w, R, outs, unroll, split, staged=staged)
     return out
 
