@@ -35,6 +35,8 @@ def sample(c: Contender, n: int, prompt: int, steps: int, seed: int, vocab: int)
     c.start(n, prompt + steps)
     toks = [int(t) for t in np.argmax(c.prefill(prompts), axis=-1)]
     out: list[list[int]] = [[] for _ in range(n)]
+    runner = getattr(c, "runner", None)  # ours: forwards of a shape not compiled yet
+    cold = getattr(runner, "cold_steps", 0)
     with harness.Meter() as m:
         for _ in range(steps):
             for row, t in zip(out, toks, strict=True):
@@ -43,6 +45,7 @@ def sample(c: Contender, n: int, prompt: int, steps: int, seed: int, vocab: int)
         if hasattr(c, "settle"):  # ours-ahead: the step queued past the last is timed too
             c.settle()
     res = {"decode_s": m.wall, "cores": m.cores, "others": m.others, "tokens": out}
+    res["cold_forwards"] = getattr(runner, "cold_steps", 0) - cold
     if hasattr(c, "timings"):  # ours: where a step's wall time went (ms, medians)
         res["phases_ms"] = c.timings()
     return res
@@ -90,6 +93,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             if phases
                             else ""
                         )
+                        + (
+                            f"; {res['cold_forwards']} cold forwards"
+                            if res["cold_forwards"]
+                            else ""
+                        )
                         + (" (warm-up)" if i < args.warmup else ""),
                         flush=True,
                     )
@@ -112,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     s: harness.median([x["cores"] for x in samples[n, s]]) for s in names
                 },
                 "ratios": {f"{a} / {b}": med[n, a] / med[n, b] for a, b in pairs},
+                "cold_forwards": {s: sum(x["cold_forwards"] for x in samples[n, s]) for s in names},
             }
         )
     scaling = {}
@@ -149,6 +158,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         record["checks"].append({"side": other, f"same_tokens_as_{same_weights[0]}": same})
         print(f"\n{other} tokens == {same_weights[0]} tokens at every N and row: {same}")
     print(harness.noise_line(record["samples"]))
+    cold = {s: sum(x["cold_forwards"] for n in args.ns for x in samples[n, s]) for s in names}
+    if any(cold.values()):  # a compile (or an eager step) inside a timed window
+        print("\ntimed samples met forwards of a shape not compiled yet: " + str(cold))
     print(f"\n{harness.write_json('batched_decode', record, args.out)}")
     return record
 
@@ -203,7 +215,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=32, help="timed decode steps")
     p.add_argument("--reps", type=int, default=3, help="timed samples per contender and N")
-    p.add_argument("--warmup", type=int, default=1, help="untimed samples per contender and N")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed samples per contender and N (2: a compiled runner compiles a shape the "
+        "second time it runs it, so one warm-up sample left the decode step at the prompt's "
+        "past bucket to compile inside the first timed one)",
+    )
     harness.add_contender_args(p)
     p.add_argument(
         "--quick",

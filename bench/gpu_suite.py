@@ -77,7 +77,7 @@ def run_ours_vs_mlx_lm(
         "--prompt", str(args.prompt),
         "--steps", str(args.steps),
         "--reps", str(args.reps),
-        "--warmup", "1",
+        "--warmup", "2",
         "--peers", "," if alone else "mlx-lm",
         "--blas", "bundled",
         "--dtype", args.dtype,
