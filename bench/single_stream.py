@@ -189,7 +189,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens before decoding")
     p.add_argument("--decode", type=int, default=128, help="decode steps (one token each)")
     p.add_argument("--reps", type=int, default=3, help="timed samples per contender")
-    p.add_argument("--warmup", type=int, default=1, help="untimed samples per contender first")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed samples per contender first (2: see batched_decode)",
+    )
     harness.add_contender_args(p)
     p.add_argument(
         "--quick", action="store_true", help="64 prefill, 16 decode, 2 reps, no re-runs (< 1 min)"
