@@ -161,8 +161,9 @@ class ModelRunner:
     MAX_FORWARDS = 256  # batch shapes whose forward is kept (least recently used go)
     # A compiled runner compiles a batch shape the `compile_after`-th time it runs it; before,
     # the step runs eagerly. Decode and verify shapes recur every step and are compiled at
-    # once; a ragged prefill's shape (its chunk lengths, the rows beside it) rarely recurs,
-    # and compiling it would cost its request tens to hundreds of ms of tracing for one step.
+    # once (`_forward_fn`); a ragged prefill's shape (its chunk lengths, the rows beside it)
+    # rarely recurs, and compiling it would cost its request tens to hundreds of ms of
+    # tracing for one step.
     COMPILE_AFTER = 2
 
     def __init__(self, model: Model, pool: SlotPool, compile: bool = False) -> None:
@@ -385,7 +386,11 @@ class ModelRunner:
             t = [] if tapped is None else [tapped[picked]]  # a list: compiled graphs return no None
             return model.logits(h).astype(mx.float32), h, new, flat, t
 
-        return self._kept_or(key, forward)
+        # Decode and verify shapes (one length, at most a draft's K + 1 tokens a row) recur
+        # step after step: compiled at once, they skip an eager first step (on a GPU tens of
+        # ms, one per width and past bucket); a ragged prefill waits for its shape to return.
+        recurs = layout.uniform and layout.width <= self.pool.max_draft + 1
+        return self._kept_or(key, forward, at_once=recurs)
 
     def _draft_fn(self, key: tuple[object, ...], layout: Layout) -> Callable[..., Any]:
         """The MTP head's forward for one batch shape, compiled like the trunk's."""
@@ -432,11 +437,13 @@ class ModelRunner:
 
         return self._kept_or(key, chain)
 
-    def _kept_or(self, key: tuple[object, ...], fn: Callable[..., Any]) -> Callable[..., Any]:
+    def _kept_or(
+        self, key: tuple[object, ...], fn: Callable[..., Any], at_once: bool = False
+    ) -> Callable[..., Any]:
         """The forward kept for this batch shape (now the most recently used); if none, `fn`,
         kept — in a compiled runner compiled, once the shape has come `compile_after` times
-        (until then it runs eagerly, not kept); the least recently used go past
-        `MAX_FORWARDS`."""
+        (`at_once`: the first time; until then it runs eagerly, not kept); the least recently
+        used go past `MAX_FORWARDS`."""
         kept = self._compiled.get(key)
         if kept is not None:
             self._compiled.move_to_end(key)
@@ -444,7 +451,7 @@ class ModelRunner:
         if self.compile:
             self.cold_steps += 1
             seen = self._sightings.pop(key, 0) + 1
-            if seen < self.compile_after:
+            if seen < self.compile_after and not at_once:
                 self._sightings[key] = seen
                 if len(self._sightings) > 4 * self.MAX_FORWARDS:
                     self._sightings.popitem(last=False)

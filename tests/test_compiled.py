@@ -137,6 +137,23 @@ def test_a_batch_shape_is_compiled_when_it_comes_back(model: Model) -> None:
     assert (runner.cold_steps, runner.cached_forwards) == (3, 1)
 
 
+def test_decode_and_verify_shapes_are_compiled_at_once(model: Model) -> None:
+    """A decode step's shape (and a verify step's: rows of at most K + 1 tokens, one length)
+    recurs step after step: it is compiled the first time, with no eager step before."""
+    pool = SlotPool(model.config, 2, 64, mx.float32, max_draft=3)
+    runner = ModelRunner(model, pool, compile=True)
+    slots = [pool.allocate() for _ in range(2)]
+    runner.step([Row(s, [1, 2, 3, 4, 5, 6], 0) for s in slots])  # 6 > K + 1: a prefill
+    assert (runner.cold_steps, runner.cached_forwards) == (1, 0)
+    runner.step([Row(s, [7], 6) for s in slots])
+    assert (runner.cold_steps, runner.cached_forwards) == (2, 1)
+    runner.step([Row(s, [8, 9, 10, 11], 7, capture=True) for s in slots])
+    assert (runner.cold_steps, runner.cached_forwards) == (3, 2)
+    pool.rollback_many([(s, 1) for s in slots])
+    runner.step([Row(s, [12], 8) for s in slots])
+    assert (runner.cold_steps, runner.cached_forwards) == (3, 2)
+
+
 @pytest.mark.parametrize("compile", [False, True])
 def test_decoding_on_device_tokens_without_waiting_equals_the_plain_loop(
     model: Model, compile: bool
