@@ -389,10 +389,10 @@ class SlotPool:
 
     def rollback_many(self, keeps: Sequence[tuple[SlotId, int]]) -> None:
         """`rollback` of several slots at once, as a step's verify rows are resolved together:
-        the kept conv windows and states of every slot and layer are gathered in one stack
-        per kind and written with one update each, where a slot at a time made two stacks
-        and two writes per slot (per layer, eagerly, on a GPU). Every slot is checked before
-        any changes: an error leaves the pool as it was."""
+        the kept conv windows and states of every slot and layer are gathered in one take
+        per kind (`stack_cuda.take`) and written with one update each, where a slot at a
+        time made two stacks and two writes per slot (per layer, eagerly, on a GPU). Every
+        slot is checked before any changes: an error leaves the pool as it was."""
         caps: list[SlotCapture] = []
         for slot, keep in keeps:
             self._check(slot)
@@ -407,31 +407,52 @@ class SlotPool:
             raise SlotStateError(f"a slot appears more than once in a rollback: {slots}")
         if not keeps:
             return
-        L, R = len(caps[0].captures), len(keeps)
-        # Each layer's captures as flat entries (a reshape, a view, once per step they came
-        # from), then one slice per row and layer: the kept conv window is Kc - 1 entries of
-        # the row's window, the kept recurrent state one entry of its states.
-        flat: dict[int, list[tuple[mx.array, mx.array]]] = {}
-        for cap in caps:
-            if id(cap.captures) not in flat:
-                flat[id(cap.captures)] = [
-                    (
-                        c.windows.reshape(-1, *c.windows.shape[2:]),
-                        c.states.reshape(-1, *c.states.shape[2:]),
-                    )
-                    for c in cap.captures
-                ]
-        Kc, windows, states = self.config.conv_kernel, [], []
-        for i in range(L):
-            for cap, (_, keep) in zip(caps, keeps, strict=True):
-                w, st = flat[id(cap.captures)][i]
-                at = cap.row * cap.captures[i].windows.shape[1] + keep
-                windows.append(w[at : at + Kc - 1])
-                at = cap.row * cap.captures[i].states.shape[1] + keep
-                states.append(st[at : at + 1])
-        conv, ssm = stack_cuda.stack(windows), stack_cuda.stack(states)
-        put_slots(self.conv, slots, conv.reshape(L, R, *conv.shape[1:]), self.MAX_RUNS)
-        put_slots(self.ssm, slots, ssm.reshape(L, R, *ssm.shape[2:]), self.MAX_RUNS)
+        L, R, Kc = len(caps[0].captures), len(keeps), self.config.conv_kernel
+        # The kept conv window is Kc - 1 entries of the row's window, the kept recurrent
+        # state one entry of its states: entries of each layer's captures flattened over
+        # (row, position).
+        if all(cap.captures is caps[0].captures for cap in caps):
+            # One step's captures (the common case): one gather per kind over all layers, its
+            # index made on the host — a handful of graph nodes where a slice per row and
+            # layer made 2LR (288 for 8 rows of an 18-linear-layer model, host time on the
+            # verify step's critical path).
+            captures = caps[0].captures
+            _, W, Cc = captures[0].windows.shape  # W = Kc - 1 + T
+            S = captures[0].states.shape[1]  # T + 1
+            rows = [(cap.row, keep) for cap, (_, keep) in zip(caps, keeps, strict=True)]
+            window_index = [r * W + keep + j for r, keep in rows for j in range(Kc - 1)]
+            state_index = [r * S + keep for r, keep in rows]
+            windows = [c.windows for c in captures]
+            conv = stack_cuda.take(windows, mx.array(window_index, dtype=mx.int32))
+            conv = conv.reshape(L, R, Kc - 1, Cc)
+            states = [c.states for c in captures]
+            ssm = stack_cuda.take(states, mx.array(state_index, dtype=mx.int32))
+        else:
+            # Captures of several steps: each layer's as flat entries (a reshape, a view,
+            # once per step), then one slice per row and layer.
+            flat: dict[int, list[tuple[mx.array, mx.array]]] = {}
+            for cap in caps:
+                if id(cap.captures) not in flat:
+                    flat[id(cap.captures)] = [
+                        (
+                            c.windows.reshape(-1, *c.windows.shape[2:]),
+                            c.states.reshape(-1, *c.states.shape[2:]),
+                        )
+                        for c in cap.captures
+                    ]
+            windows, states = [], []
+            for i in range(L):
+                for cap, (_, keep) in zip(caps, keeps, strict=True):
+                    w, st = flat[id(cap.captures)][i]
+                    at = cap.row * cap.captures[i].windows.shape[1] + keep
+                    windows.append(w[at : at + Kc - 1])
+                    at = cap.row * cap.captures[i].states.shape[1] + keep
+                    states.append(st[at : at + 1])
+            conv, ssm = stack_cuda.stack(windows), stack_cuda.stack(states)
+            conv = conv.reshape(L, R, *conv.shape[1:])
+            ssm = ssm.reshape(L, R, *ssm.shape[2:])
+        put_slots(self.conv, slots, conv, self.MAX_RUNS)
+        put_slots(self.ssm, slots, ssm, self.MAX_RUNS)
         for (slot, keep), cap in zip(keeps, caps, strict=True):
             self.lengths[slot] = cap.start + keep
             self.mtp_lengths[slot] = min(self.mtp_lengths[slot], self.lengths[slot])

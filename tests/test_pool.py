@@ -327,3 +327,26 @@ def test_rolling_back_many_slots_at_once_equals_one_at_a_time(model: Model) -> N
         pools.append([pool.snapshot(s) for s in slots])
         rng = np.random.default_rng(3)  # the same tokens for the second pool
     assert all(snapshots_equal(a, b) for a, b in zip(*pools, strict=True))
+
+
+def test_rolling_back_slots_captured_by_different_steps_equals_one_at_a_time(
+    model: Model,
+) -> None:
+    """Slots whose capture rows ran in different steps (each step's captures gathered on
+    their own) roll back together exactly as one at a time."""
+    pools = []
+    for together in (False, True):
+        runner = new_runner(model)
+        pool = runner.pool
+        a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+        runner.step([Row(s, [3 + s, 9, 27], 0) for s in (a, b, c)])
+        runner.step([Row(a, [5, 81, 300], 3, capture=True), Row(c, [2, 4, 6, 8], 3, capture=True)])
+        runner.step([Row(b, [12, 7, 99, 1, 64], 3, capture=True)])
+        keeps = [(b, 4), (a, 1), (c, 3)]
+        if together:
+            pool.rollback_many(keeps)
+        else:
+            for s, keep in keeps:
+                pool.rollback(s, keep)
+        pools.append([pool.snapshot(s) for s in (a, b, c)])
+    assert all(snapshots_equal(x, y) for x, y in zip(*pools, strict=True))

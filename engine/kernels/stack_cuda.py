@@ -1,28 +1,37 @@
-"""`mx.stack` of a step's per-layer states as ONE CUDA kernel.
+"""`mx.stack` of a step's per-layer states, and a gather from each of them, as ONE CUDA kernel.
 
 A step returns every layer's new state stacked per kind (K, V, conv, ssm) for the pool to
 store in one write each. MLX stacks with one copy kernel per input: 48 launches a step on a
 24-layer model, each costing more to launch than to run at small batch. This kernel copies
 all K inputs, one grid row (`blockIdx.y`) per input.
+
+A rollback keeps some entries of every linear layer's captures (`take`): per layer a
+reshape, a gather and then a stack would be 2L + 1 graph nodes, each costing the host
+microseconds on the verify step's critical path; the kernel is one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import mlx.core as mx
 
 from engine.kernels.cuda import cached_kernel, switched_on
+
+_PICK = """    const int k = blockIdx.y;
+    const T* src = nullptr;
+    switch (k) {{
+{cases}
+    }}
+"""  # `src`: input `a{k}` of this grid row (a switch: a kernel's inputs are separate pointers)
 
 _SOURCE = """
     long M = 1;  // elements per input, from its shape: one kernel serves every batch size
     for (int d = 0; d < a0_ndim; ++d) M *= a0_shape[d];
     const long i = long(blockIdx.x) * blockDim.x + threadIdx.x;
     if (i >= M) return;
-    const int k = blockIdx.y;
-    const T* src = nullptr;
-    switch (k) {{
-{cases}
-    }}
-    out[long(k) * M + i] = src[i];
+{pick}    out[long(k) * M + i] = src[i];
 """
 
 
@@ -50,9 +59,7 @@ def stack(arrays: list[mx.array]) -> mx.array:
     if K > MAX_INPUTS:
         chunks = [arrays[i : i + MAX_INPUTS] for i in range(0, K, MAX_INPUTS)]
         return mx.concatenate([stack(c) for c in chunks], axis=0)
-    cases = "\n".join(f"        case {k}: src = a{k}; break;" for k in range(K))
-    names = [f"a{k}" for k in range(K)]
-    kernel = cached_kernel("stack", str(K), names, ["out"], _SOURCE.format(cases=cases))
+    kernel = _kernel("stack", K, _SOURCE)
     M = first.size
     block = 256
     (out,) = kernel(
@@ -64,3 +71,60 @@ def stack(arrays: list[mx.array]) -> mx.array:
         output_dtypes=[first.dtype],
     )
     return out
+
+
+_TAKE_SOURCE = """
+    long E = 1;  // elements per entry: the product of the axes after the first two
+    for (int d = 2; d < a0_ndim; ++d) E *= a0_shape[d];
+    const long n = long(index_shape[0]) * E;  // elements taken from each input
+    const long i = long(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+{pick}    out[long(k) * n + i] = src[long(index[i / E]) * E + i % E];
+"""
+
+
+def take(arrays: list[mx.array], index: mx.array) -> mx.array:
+    """`mx.stack([a.reshape(-1, *rest)[index] for a in arrays])`: for L arrays of one shape
+    `[E0, E1, *rest]` and dtype and `index` int32 `[M]` of entry numbers over the first two
+    axes flattened (entry e is `a.reshape(E0 * E1, *rest)[e]`), `[L, M, *rest]`. One launch
+    on CUDA (a launch per `MAX_INPUTS` inputs, and a join, for longer lists); there the
+    entries are not bounds-checked."""
+    L = len(arrays)
+    first = arrays[0]
+    rest = first.shape[2:]
+    if (
+        not enabled()
+        or index.size == 0
+        or first.size == 0
+        or any(a.shape != first.shape or a.dtype != first.dtype for a in arrays)
+    ):
+        return mx.stack([mx.take(a.reshape(-1, *rest), index, axis=0) for a in arrays])
+    if L > MAX_INPUTS:
+        chunks = [arrays[i : i + MAX_INPUTS] for i in range(0, L, MAX_INPUTS)]
+        return mx.concatenate([take(c, index) for c in chunks], axis=0)
+    # int32 always: MLX names a compiled kernel by its template arguments, not its inputs'
+    # types, so a second index type would run the first one's code.
+    index = index.astype(mx.int32)
+    kernel = _kernel("take", L, _TAKE_SOURCE, ["index"])
+    M = index.shape[0]
+    n = M * (first.size // (first.shape[0] * first.shape[1]))
+    block = 256
+    (out,) = kernel(
+        inputs=[*arrays, index],
+        template=[("T", first.dtype)],
+        grid=(-(-n // block) * block, L, 1),
+        threadgroup=(block, 1, 1),
+        output_shapes=[(L, M, *rest)],
+        output_dtypes=[first.dtype],
+    )
+    return out
+
+
+def _kernel(family: str, K: int, source: str, extra: Sequence[str] = ()) -> Any:
+    """`family`'s kernel for K inputs `a0`..`a{K-1}` (then `extra`), `source`'s `{pick}`
+    made the switch that points `src` at the grid row's input."""
+    cases = "\n".join(f"        case {k}: src = a{k}; break;" for k in range(K))
+    names = [*(f"a{k}" for k in range(K)), *extra]
+    return cached_kernel(
+        family, str(K), names, ["out"], source.format(pick=_PICK.format(cases=cases))
+    )
