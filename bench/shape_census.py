@@ -71,13 +71,13 @@ def census(args: argparse.Namespace) -> dict[str, Any]:
     calls: collections.Counter[str] = collections.Counter()
     kept_or = runner._kept_or  # BENCHMARK ONLY: count what the runner is asked for
 
-    def counting(key: tuple[object, ...], fn: Any) -> Any:
+    def counting(key: tuple[object, ...], fn: Any, at_once: bool = False) -> Any:
         kind = kind_of(key)
         calls[kind] += 1
         if key not in runner._compiled:
             cold[kind] += 1
         seen[key] += 1
-        return kept_or(key, fn)
+        return kept_or(key, fn, at_once)
 
     runner._kept_or = counting  # type: ignore[method-assign]
     config = SchedulerConfig(max_batch_tokens=args.batch_tokens, max_prefill_chunk=args.chunk)
