@@ -146,15 +146,3 @@ def test_one_slow_sample_does_not_bar_a_depth_for_good() -> None:
     ks = run(ctrl, world, width=1, steps=300)
     assert (ks[:40] == 0).all()  # the slow sample holds for a while ...
     assert ks[-100:].mean() >= 0.9  # ... then drafting is measured again, and pays
-
-
-@pytest.mark.parametrize(("alpha", "drafts"), [(0.8, True), (0.05, False)])
-def test_uniform_rows_choose_between_plain_and_the_cap_only(alpha: float, drafts: bool) -> None:
-    """With verify rows padded to one length, a step costs its padded depth whatever each slot
-    drafted: the controller picks plain decode or every joining slot at its cap — two batch
-    shapes per width — and still backs off where drafts do not pay."""
-    ctrl = CostController(all_or_nothing=True)
-    world = World(alpha=alpha, per_depth=2.0)
-    ks = run(ctrl, world, width=4, steps=300)
-    assert set(np.unique(ks)) <= {0, CAP}
-    assert ((ks[-100:] == CAP).mean() > 0.9) if drafts else ((ks[-200:] > 0).mean() < 0.15)

@@ -27,7 +27,6 @@ from engine.generate import greedy_tokens
 from engine.models.qwen35 import Model, load_model
 from engine.runner import ModelRunner
 from engine.sampling import RequestRng, SamplingParams
-from engine.spec.controller import CostController
 from engine.spec.drafters import Drafter, MTPDrafter, NgramDrafter
 from engine.spec.offline import GREEDY, Request, generate
 from engine.spec.speculator import DecodingSlot, Speculator
@@ -122,31 +121,3 @@ def test_uniform_mtp_rounds_keep_greedy_output(model: Model) -> None:
     run = generate(counted.spec, requests)
     assert run.tokens == [greedy_tokens(model, r.prompt, r.max_tokens) for r in requests]
     assert sum(s.verify_rounds for s in run.stats) > 0
-
-
-def test_auto_verify_steps_have_one_depth(model: Model) -> None:
-    """Slots the cost controller drives ("auto"), with step times that make a middle depth
-    the best buy if steps were charged by their own depth (2 for the price of plain decode,
-    4 for three times it): with uniform rows a step is charged its padded depth, so every
-    step's rows are all one token or all K + 1 — a width meets two trunk shapes, not K + 1."""
-    runner = ModelRunner(model, SlotPool(model.config, N, 192, mx.float32, max_draft=K), True)
-    ctrl = CostController(smoothing=0.0, remeasure_every=10**9)  # the table below stays
-    ctrl.seconds[N] = {0: 1.0, 2: 1.0, K: 3.0}
-    spec = Speculator(runner, K, [NgramDrafter()], controller=ctrl, uniform_verify=True)
-    pool, chosen = runner.pool, prompts(N, 3)
-    slots = [pool.allocate() for _ in chosen]
-    rows = [spec.prefill_row(s, p, 0, "auto") for s, p in zip(slots, chosen, strict=True)]
-    states = []
-    for row, out, p in zip(rows, runner.step(rows).rows, chosen, strict=True):
-        first = int(np.argmax(np.array(out.logits[-1])))
-        states.append(DecodingSlot(row.slot, first, [*p, first], GREEDY, RequestRng(0), "auto"))
-    lengths = set()
-    for _ in range(4 * STEPS):
-        planned = spec.plan(states)
-        lengths.add(frozenset(len(r.tokens) for r in planned))
-        committed = spec.resolve(states, runner.step(planned).rows)
-        for d, c in zip(states, committed, strict=True):
-            d.history += c.tokens
-            d.pending = c.tokens[-1]
-    assert frozenset({K + 1}) in lengths  # it drafted ...
-    assert lengths <= {frozenset({1}), frozenset({K + 1})}  # ... always at one depth

@@ -35,13 +35,6 @@ acceptance rate alone.
   device; the speculator already leaves out a drafter's catch-up and a step that compiled
   a new batch shape — must not bar a depth for good.
 
-Uniform verify rows (`all_or_nothing`, set by a speculator whose verify rows are padded to
-one length: a compiled runner on a GPU): every row of a drafting step is as long as the
-deepest, so a step's depth is what its verify rows cost whatever each slot drafts, and each
-depth is one more compiled shape per batch width. The choice is then between plain decode
-and every joining slot drafting its cap: two shapes per width, and no depth whose cost is
-only ever predicted (a shallower step, padded to the cap, would be timed as the cap).
-
 Modes per slot: "off" never drafts, "on" always drafts its full cap (so a seeded
 request replays exactly), "auto" follows the controller.
 """
@@ -106,7 +99,6 @@ class CostController:
     prior_weight: float = 8.0
     idle_decay: float = 0.98
     remeasure_every: int = 64
-    all_or_nothing: bool = False  # depths 0 and each slot's cap only (uniform verify rows)
     seconds: dict[int, dict[int, float]] = field(default_factory=dict)  # width -> depth -> s
     _rates: dict[tuple[SlotId, str], _Rate] = field(default_factory=dict)
     _pooled: dict[str, _Rate] = field(default_factory=dict)  # per drafter, all slots
@@ -176,9 +168,7 @@ class CostController:
         width = len(offers)
         joining = [i for i in auto if self.rate(offers[i].slot, offers[i].drafter) >= self.min_rate]
         best, best_rate = ks, -1.0
-        deepest = max(offers[i].cap for i in auto)
-        depths = (max(ks), deepest) if self.all_or_nothing else range(max(ks), deepest + 1)
-        for depth in depths:
+        for depth in range(max(ks), max(offers[i].cap for i in auto) + 1):
             trial = list(ks)
             for i in joining if depth else []:
                 trial[i] = min(depth, offers[i].cap)

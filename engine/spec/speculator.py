@@ -243,7 +243,6 @@ class Speculator:
         if uniform_verify is None:
             uniform_verify = uniform_shapes(runner)
         self.uniform_verify = uniform_verify
-        self.controller.all_or_nothing = uniform_verify
         self._plans: dict[SlotId, _Plan] = {}
         # A plan without drafters (every slot's plan `_PLAIN`), not yet resolved: its slots
         # in order, kept as the list the rows were built from instead of an entry per slot in
@@ -290,7 +289,6 @@ class Speculator:
         draft chains), on or off together: a compiled runner on a GPU has them on by default;
         benchmarks and tests turn them on on any device to meet a GPU's row shapes."""
         self.uniform_verify = on
-        self.controller.all_or_nothing = on
         for d in self.drafters:
             if isinstance(d, MTPDrafter):
                 d.uniform = on
@@ -365,8 +363,6 @@ class Speculator:
                     drafts[job.d.slot] = (drafter.name, draft)
         rows = []
         deepest = max((len(x.tokens) for _, x in drafts.values()), default=0)
-        if self.uniform_verify and deepest:  # the depth chosen, not what the drafters found:
-            deepest = max(deepest, *depths)  # one verify shape per width, not one per depth
         room = self.runner.pool.max_context
         for d, n in zip(decoding, lengths, strict=True):
             name, draft = drafts.get(d.slot, ("", Draft()))
