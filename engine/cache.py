@@ -56,18 +56,6 @@ class SlotCapture:
     row: int  # the slot's index among the step's capture rows
     captures: tuple[LinearCapture, ...]  # per linear layer, the step's
 
-    @property
-    def windows(self) -> list[mx.array]:
-        """Per linear layer, the row's conv inputs `[Kc-1+length, Cc]` (views)."""
-        pad = self.captures[0].states.shape[1] - 1 - self.length  # the longest row's extra
-        return [entry(c.windows, self.row)[: c.windows.shape[1] - pad] for c in self.captures]
-
-    @property
-    def states(self) -> list[mx.array]:
-        """Per linear layer, the recurrent state before the row and after each of its
-        positions, `[length+1, Hv, dv, dk]` (views)."""
-        return [entry(c.states, self.row)[: self.length + 1] for c in self.captures]
-
 
 @dataclass
 class SlotSnapshot:
@@ -407,56 +395,35 @@ class SlotPool:
             raise SlotStateError(f"a slot appears more than once in a rollback: {slots}")
         if not keeps:
             return
-        L, R, Kc = len(caps[0].captures), len(keeps), self.config.conv_kernel
-        # The kept conv window is Kc - 1 entries of the row's window, the kept recurrent
-        # state one entry of its states: entries of each layer's captures flattened over
-        # (row, position).
-        if all(cap.captures is caps[0].captures for cap in caps):
-            # One step's captures (the common case): one gather per kind over all layers, its
-            # index made on the host — a handful of graph nodes where a slice per row and
-            # layer made 2LR (288 for 8 rows of an 18-linear-layer model, host time on the
-            # verify step's critical path).
-            captures = caps[0].captures
-            _, W, Cc = captures[0].windows.shape  # W = Kc - 1 + T
-            S = captures[0].states.shape[1]  # T + 1
-            rows = [(cap.row, keep) for cap, (_, keep) in zip(caps, keeps, strict=True)]
-            window_index = [r * W + keep + j for r, keep in rows for j in range(Kc - 1)]
-            state_index = [r * S + keep for r, keep in rows]
-            windows = [c.windows for c in captures]
-            conv = stack_cuda.take(windows, mx.array(window_index, dtype=mx.int32))
-            conv = conv.reshape(L, R, Kc - 1, Cc)
-            states = [c.states for c in captures]
-            ssm = stack_cuda.take(states, mx.array(state_index, dtype=mx.int32))
-        else:
-            # Captures of several steps: each layer's as flat entries (a reshape, a view,
-            # once per step), then one slice per row and layer.
-            flat: dict[int, list[tuple[mx.array, mx.array]]] = {}
-            for cap in caps:
-                if id(cap.captures) not in flat:
-                    flat[id(cap.captures)] = [
-                        (
-                            c.windows.reshape(-1, *c.windows.shape[2:]),
-                            c.states.reshape(-1, *c.states.shape[2:]),
-                        )
-                        for c in cap.captures
-                    ]
-            windows, states = [], []
-            for i in range(L):
-                for cap, (_, keep) in zip(caps, keeps, strict=True):
-                    w, st = flat[id(cap.captures)][i]
-                    at = cap.row * cap.captures[i].windows.shape[1] + keep
-                    windows.append(w[at : at + Kc - 1])
-                    at = cap.row * cap.captures[i].states.shape[1] + keep
-                    states.append(st[at : at + 1])
-            conv, ssm = stack_cuda.stack(windows), stack_cuda.stack(states)
-            conv = conv.reshape(L, R, *conv.shape[1:])
-            ssm = ssm.reshape(L, R, *ssm.shape[2:])
-        put_slots(self.conv, slots, conv, self.MAX_RUNS)
-        put_slots(self.ssm, slots, ssm, self.MAX_RUNS)
+        steps: dict[int, list[int]] = {}  # the keeps by the step their captures came from
+        for i, cap in enumerate(caps):
+            steps.setdefault(id(cap.captures), []).append(i)
+        for ids in steps.values():  # one, but for a caller mixing steps
+            conv, ssm = self._kept_states([caps[i] for i in ids], [keeps[i][1] for i in ids])
+            put_slots(self.conv, [slots[i] for i in ids], conv, self.MAX_RUNS)
+            put_slots(self.ssm, [slots[i] for i in ids], ssm, self.MAX_RUNS)
         for (slot, keep), cap in zip(keeps, caps, strict=True):
             self.lengths[slot] = cap.start + keep
             self.mtp_lengths[slot] = min(self.mtp_lengths[slot], self.lengths[slot])
             del self._captures[slot]
+
+    def _kept_states(self, caps: list[SlotCapture], keeps: list[int]) -> tuple[mx.array, mx.array]:
+        """The conv windows `[L, R, Kc-1, Cc]` and recurrent states `[L, R, Hv, dv, dk]` that
+        rows of one step's captures keep after `keeps` positions: Kc - 1 entries of the row's
+        window, one entry of its states, gathered over all L layers in one take per kind —
+        a handful of graph nodes where a slice per row and layer made 2LR (288 for 8 rows
+        of an 18-linear-layer model, host time on the verify step's critical path)."""
+        captures, Kc = caps[0].captures, self.config.conv_kernel
+        _, W, Cc = captures[0].windows.shape  # W = Kc - 1 + T
+        S = captures[0].states.shape[1]  # T + 1
+        rows = [(cap.row, keep) for cap, keep in zip(caps, keeps, strict=True)]
+        window_index = [r * W + keep + j for r, keep in rows for j in range(Kc - 1)]
+        state_index = [r * S + keep for r, keep in rows]
+        windows = [c.windows for c in captures]
+        conv = stack_cuda.take(windows, mx.array(window_index, dtype=mx.int32))
+        states = [c.states for c in captures]
+        ssm = stack_cuda.take(states, mx.array(state_index, dtype=mx.int32))
+        return conv.reshape(len(captures), len(rows), Kc - 1, Cc), ssm
 
     def truncate_mtp(self, slot: SlotId, length: int) -> None:
         self._check(slot)
@@ -544,14 +511,6 @@ class SlotPool:
                 a[where] = part
         self.lengths[slot], self.mtp_lengths[slot] = copy.length, copy.mtp_length
         self._captures.pop(slot, None)
-
-
-def entry(a: mx.array, i: int) -> mx.array:
-    """`a[i]` as a view. MLX indexes with an integer through a gather, which copies — on
-    CUDA through a kernel far slower than a copy (15 µs for a layer's 1 MB recurrent state
-    of one row on the H200, 56 µs for eight rows): 48 of them made a fifth of a 0.8B decode
-    step. A slice of one entry is a view."""
-    return a[i : i + 1].squeeze(0)
 
 
 SPLIT_PARTS = 10  # MLX splits into at most this many parts by one node; more, by a slice each
