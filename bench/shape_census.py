@@ -65,7 +65,7 @@ def census(args: argparse.Namespace) -> dict[str, Any]:
     spec = Speculator(runner, args.k, drafters=default_drafters(runner))
     if args.uniform:  # a GPU's default row shapes, on any device
         spec.use_uniform_shapes(True)
-        runner.pad_widths = not args.no_pad
+        runner.pad_widths = not args.no_pad  # (what it measured before widths were padded)
     seen: collections.Counter[tuple[object, ...]] = collections.Counter()
     cold: collections.Counter[str] = collections.Counter()
     calls: collections.Counter[str] = collections.Counter()

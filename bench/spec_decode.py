@@ -132,9 +132,8 @@ def speculator(
     elif drafter == "dflash" and dflash is not None:
         drafters.append(DFlashDrafter(runner, dflash))
     spec = Speculator(runner, args.k, drafters)
-    if args.uniform:  # a GPU's row shapes (uniform verify rows and MTP rounds, padded widths)
+    if args.uniform:  # a GPU's batch shapes (verify rows, MTP rounds, padded widths)
         spec.use_uniform_shapes(True)
-        runner.pad_widths = True
     return spec
 
 

@@ -175,10 +175,10 @@ class ModelRunner:
         self._compiled: OrderedDict[tuple[object, ...], Callable[..., Any]] = OrderedDict()
         self._sightings: OrderedDict[tuple[object, ...], int] = OrderedDict()  # not yet compiled
         self.compile_after = self.COMPILE_AFTER
-        # Decode and verify steps run at a padded width (`padded_width`): a compiled runner on
-        # a GPU, where a batch of a width not compiled yet costs tens of ms and a few more
-        # rows almost nothing (the step is bound by its launches, not by its rows).
-        self.pad_widths = compile and mx.default_device() == mx.gpu
+        # Decode and verify steps run at a padded width (`padded_width`) where shapes are
+        # uniform (`uniform_shapes`: a compiled runner on a GPU, where a batch of a width not
+        # compiled yet costs tens of ms and a few more rows almost nothing).
+        self.pad_widths = uniform_shapes(self)
         self.last_host_s = 0.0
         self.last_tokens = 0  # tokens of the last step, all rows together
         # Steps (and drafts) of a compiled runner that ran a batch shape not compiled yet —
@@ -209,7 +209,7 @@ class ModelRunner:
         tokens = [int(t) for r in batch for t in r.tokens]
         real = (len(batch), sum(lengths), len(picked))  # rows, tokens, outputs
         pads: list[SlotId] = []
-        if min(lengths) == max(lengths) and len(set(capture)) == 1:  # decode or uniform verify
+        if self.pad_widths and self.recurs(min(lengths), max(lengths)) and len(set(capture)) == 1:
             pads = self._pad_slots(slots, self.padded_width(len(batch)))
         if pads:  # rows like the first on other slots: read, never written, outputs dropped
             first = batch[0]
@@ -341,6 +341,11 @@ class ModelRunner:
             past = 1 << (past - 1).bit_length()
         return min(self.pool.max_context, past)
 
+    def recurs(self, shortest: int, longest: int) -> bool:
+        """Whether rows of these lengths make a decode or verify step — one length, at most
+        a draft's K + 1 tokens — whose shape recurs step after step (unlike a prefill's)."""
+        return shortest == longest <= self.pool.max_draft + 1
+
     def padded_width(self, n: int) -> int:
         """The width a decode or verify step of `n` rows runs at: with `pad_widths`, `n`
         rounded up to 1, 2, 4, 8 or a multiple of 8 (at most the pool's slots), so a batch
@@ -386,10 +391,10 @@ class ModelRunner:
             t = [] if tapped is None else [tapped[picked]]  # a list: compiled graphs return no None
             return model.logits(h).astype(mx.float32), h, new, flat, t
 
-        # Decode and verify shapes (one length, at most a draft's K + 1 tokens a row) recur
-        # step after step: compiled at once, they skip an eager first step (on a GPU tens of
-        # ms, one per width and past bucket); a ragged prefill waits for its shape to return.
-        recurs = layout.uniform and layout.width <= self.pool.max_draft + 1
+        # Compiled at once, a decode or verify shape skips an eager first step (on a GPU
+        # tens of ms, one per width and past bucket); a ragged prefill waits for its shape to
+        # come back.
+        recurs = layout.uniform and self.recurs(layout.width, layout.width)
         return self._kept_or(key, forward, at_once=recurs)
 
     def _draft_fn(self, key: tuple[object, ...], layout: Layout) -> Callable[..., Any]:

@@ -188,6 +188,7 @@ def test_a_padded_launch_equals_an_unpadded_step(model: Model) -> None:
         idle = pool.snapshot(slots[3])
         if pad:
             out = runner.adopt(runner.launch(slots[:3], mx.array([7, 8, 9])), range(3))
+            assert any(key[:2] == (4, 1) for key in runner._compiled)  # 3 rows ran as 4
         else:
             out = runner.step(
                 [Row(s, [t], pool.lengths[s]) for s, t in zip(slots[:3], [7, 8, 9], strict=True)]

@@ -51,10 +51,10 @@ class Counted:
         pool = SlotPool(model.config, N, 192, mx.float32, max_draft=K)
         self.runner = runner = ModelRunner(model, pool, compile=True)
         runner.compile_after = 1  # every shape compiled at once: a miss is a new shape
-        runner.pad_widths = True  # as on a GPU
         chosen: list[Drafter] = [NgramDrafter()] if "ngram" in drafters else []
-        chosen.append(MTPDrafter(runner, uniform=True))
-        self.spec = Speculator(runner, K, chosen, uniform_verify=True)
+        chosen.append(MTPDrafter(runner))
+        self.spec = Speculator(runner, K, chosen)
+        self.spec.use_uniform_shapes(True)  # as on a GPU
         self.mtp_cold = 0
         for name in ("draft", "draft_chain"):
             setattr(runner, name, self._counted(getattr(runner, name)))

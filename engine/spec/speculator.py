@@ -285,10 +285,12 @@ class Speculator:
                     d.observe(row.slot, row.start, output.hidden, output.taps)
 
     def use_uniform_shapes(self, on: bool) -> None:
-        """Uniform verify rows, and uniform rounds for its MTP drafters (catch-up rows and
-        draft chains), on or off together: a compiled runner on a GPU has them on by default;
-        benchmarks and tests turn them on on any device to meet a GPU's row shapes."""
+        """Uniform verify rows, uniform rounds for its MTP drafters (catch-up rows and draft
+        chains) and the runner's padded widths, on or off together: a compiled runner on a
+        GPU has them on by default; benchmarks and tests turn them on on any device to meet
+        a GPU's batch shapes."""
         self.uniform_verify = on
+        self.runner.pad_widths = on
         for d in self.drafters:
             if isinstance(d, MTPDrafter):
                 d.uniform = on
