@@ -438,20 +438,16 @@ def takes_prologue(rows: int, K: int, dtype: mx.Dtype, w: Weight, kind: str = "a
     one row, session 10: 162 tok/s with "swiglu", 177 without)."""
     if kind not in PROLOGUES:
         raise ValueError(f"takes_prologue: no prologue {kind!r} (one of {', '.join(PROLOGUES)})")
-    if not prologue_enabled():  # (the portable path: every layer of every eager step asks)
-        return False
-    if staged_mode() == "1":  # any product it fits whose rows fit the stage
-        if not (_fits(rows, K, dtype, w) and _stages(rows, K, dtype)):
-            return False
+    if not (prologue_enabled() and _fits(rows, K, dtype, w)):  # (prologue first: the
+        return False  # portable path's every layer of every eager step asks)
+    if _staged(rows, K, dtype, w):
         return not isinstance(w, QuantizedWeight) or _preferred(rows, w)
-    if rows > 1:  # "rows": float products whose rows fit the stage
-        return _fits(rows, K, dtype, w) and _staged(rows, K, dtype, w)
-    if rows < 1:
+    if rows != 1 or staged_mode() == "1":  # ("1": what the stage does not take, nothing)
         return False
     if isinstance(w, QuantizedWeight):
         allowed = os.environ.get("SLOTSERVE_GEMV_PROLOGUE_QUANTIZED", "").split(",")
-        return kind in allowed and _fits(rows, K, dtype, w) and _preferred(rows, w)
-    return w.nbytes < PROLOGUE_MAX_BYTES and _fits(rows, K, dtype, w)
+        return kind in allowed and _preferred(rows, w)
+    return w.nbytes < PROLOGUE_MAX_BYTES
 
 
 def split_for(rows: int, n_out: int, outs: int) -> int:
