@@ -188,6 +188,8 @@ class _NgramIndex:
         self.indexed = {n: 0 for n in range(lo, hi + 1)}  # windows [0, indexed) are in
         self.length = 0
         self.last: object = None
+        self.found: int | None = None  # the continuation at `length` (a step asks twice:
+        # `available`, then `draft`)
 
     def follows(self, history: Sequence[int]) -> bool:
         """Whether `history` is the one indexed, grown by appends only (as far as a check of
@@ -202,18 +204,21 @@ class _NgramIndex:
     def continuation(self) -> int | None:
         h = self.history
         L = len(h)
+        if L and self.length == L:
+            return self.found
         for n in range(self.lo, self.hi + 1):  # windows that end before the last position
             start, stop = self.indexed[n], L - n
             if stop > start:
                 windows = zip(*(h[start + j : stop + j] for j in range(n)), strict=True)
                 self.starts[n].update(zip(windows, range(start, stop), strict=True))
                 self.indexed[n] = stop
-        self.length, self.last = L, (h[L - 1] if L else None)
+        self.length, self.last, self.found = L, (h[L - 1] if L else None), None
         for n in range(min(self.hi, L - 1), self.lo - 1, -1):
             at = self.starts[n].get(tuple(h[L - n :]))
             if at is not None:
-                return at + n
-        return None
+                self.found = at + n
+                break
+        return self.found
 
 
 @dataclass
