@@ -360,6 +360,28 @@ def prompt_vocab(path: Path) -> int:
     return min(GGUFFile(path).config.n_vocab, 32768)
 
 
+def time_calls(
+    owner: object,
+    name: str,
+    spent: dict[str, float],
+    label: str,
+    counted: Callable[..., bool] = lambda *a, **kw: True,
+) -> None:
+    """BENCHMARK ONLY: wrap `owner.name` so that each call `counted(*args)` approves adds its
+    wall seconds (any wait for the device it makes included) to `spent[label]`."""
+    inner = getattr(owner, name)
+
+    def timed(*a: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return inner(*a, **kw)
+        finally:
+            if counted(*a, **kw):
+                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
+
+    setattr(owner, name, timed)
+
+
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 

@@ -21,14 +21,11 @@ runner on a GPU) on any device.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import harness  # noqa: F401  (puts the repository root on sys.path)
+import harness
 import mlx.core as mx
 from spec_decode import held_out_prompts, speculator
 
@@ -49,24 +46,15 @@ def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: 
     requests = [Request(p, args.gen, speculation=mode) for p in prompts]
     for _ in range(args.warmup):  # kernel builds, compiled shapes, the controller
         generate(spec, requests)
-    spent: collections.Counter[str] = collections.Counter()
+    spent: dict[str, float] = {}
 
-    def timed(owner: object, name: str, label: str, decode_only: bool = False) -> None:
-        fn: Callable[..., Any] = getattr(owner, name)
+    def decode_step(batch: Any) -> bool:  # rows of at most K + 1 tokens: not a prefill
+        return max(len(r.tokens) for r in batch) <= K + 1
 
-        def wrapper(*a: Any, **kw: Any) -> Any:
-            t0 = time.perf_counter()
-            out = fn(*a, **kw)
-            if not decode_only or max(len(r.tokens) for r in a[0]) <= K + 1:
-                spent[label] += time.perf_counter() - t0
-            return out
-
-        setattr(owner, name, wrapper)
-
-    timed(spec, "plan", "plan")
-    timed(runner, "step", "step", decode_only=True)
-    timed(spec, "resolve", "resolve")
-    timed(pool, "rollback_many", "rollback")
+    harness.time_calls(spec, "plan", spent, "plan")
+    harness.time_calls(runner, "step", spent, "step", decode_step)
+    harness.time_calls(spec, "resolve", spent, "resolve")
+    harness.time_calls(pool, "rollback_many", spent, "rollback")
     cold = runner.cold_steps
     run = generate(spec, requests)
     steps = max(run.steps, 1)
@@ -76,7 +64,7 @@ def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: 
         "steps": run.steps,
         "decode_ms": 1000 * run.decode_s,
         "new_shapes": runner.cold_steps - cold,
-        "ms_per_step": {k: 1000 * spent[k] / steps for k in PHASES},
+        "ms_per_step": {k: 1000 * spent.get(k, 0.0) / steps for k in PHASES},
     }
 
 

@@ -19,6 +19,7 @@ import json
 import time
 from pathlib import Path
 
+import harness
 import mlx.core as mx
 import numpy as np
 from step_roofline import DTYPES, add_model_args, ensure_model
@@ -29,23 +30,6 @@ from engine.models.qwen35 import Model
 from engine.runner import ModelRunner, Row
 
 
-class _Timed:
-    """Adds up the seconds spent in one bound method of an object."""
-
-    def __init__(self, obj: object, name: str) -> None:
-        self.seconds = 0.0
-        inner = getattr(obj, name)
-
-        def timed(*a: object, **kw: object) -> object:
-            t = time.perf_counter()
-            try:
-                return inner(*a, **kw)
-            finally:
-                self.seconds += time.perf_counter() - t
-
-        setattr(obj, name, timed)
-
-
 def measure(model: Model, n: int, args: argparse.Namespace) -> dict[str, float]:
     rng = np.random.default_rng(n)
     vocab = min(32000, model.config.n_vocab)
@@ -54,7 +38,8 @@ def measure(model: Model, n: int, args: argparse.Namespace) -> dict[str, float]:
     runner = ModelRunner(model, pool, compile=args.compile)
     slots = [pool.allocate() for _ in range(n)]
     runner.step([Row(s, list(rng.integers(0, vocab, args.prompt)), 0) for s in slots])
-    commit = _Timed(pool, "commit")
+    spent: dict[str, float] = {}
+    harness.time_calls(pool, "commit", spent, "commit")
 
     def tokens(m: int) -> list[int]:
         return [int(t) for t in rng.integers(0, vocab, m)]
@@ -66,7 +51,7 @@ def measure(model: Model, n: int, args: argparse.Namespace) -> dict[str, float]:
         return time.perf_counter() - t
 
     def verify() -> tuple[float, float, float, float]:
-        commit.seconds = 0.0
+        spent["commit"] = 0.0
         t = time.perf_counter()
         rows = [
             Row(s, tokens(args.k + 1), pool.lengths[s], capture=True, want=range(args.k + 1))
@@ -80,7 +65,7 @@ def measure(model: Model, n: int, args: argparse.Namespace) -> dict[str, float]:
         pool.rollback_many(keeps)
         host = time.perf_counter() - t
         mx.eval(pool.conv, pool.ssm)
-        return step, commit.seconds, host, time.perf_counter() - t
+        return step, spent["commit"], host, time.perf_counter() - t
 
     for _ in range(args.warmup):  # kernel builds, compiles of both shapes
         plain()
