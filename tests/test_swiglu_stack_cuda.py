@@ -55,20 +55,3 @@ def test_fused_swiglu_and_stack_match_the_portable_path(
     monkeypatch.setenv("SLOTSERVE_FUSED_SWIGLU", "1")
     monkeypatch.setenv("SLOTSERVE_FUSED_STACK", "1")
     assert_as_close_as(two_steps(path), portable, on_cpu(path))
-
-
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("layers", [1, 18, 300])
-@pytest.mark.parametrize("shape", [(8, 8, 96), (8, 6, 4, 8, 8)])  # a step's windows, states
-def test_take_kernel_equals_a_take_per_array_stacked(
-    layers: int, shape: tuple[int, ...], dtype: mx.Dtype
-) -> None:
-    keys = mx.random.split(mx.random.key(3), layers)
-    arrays = [mx.random.normal(shape, key=keys[i]).astype(dtype) for i in range(layers)]
-    n, rest = shape[0] * shape[1], shape[2:]
-    order = np.random.default_rng(layers).permutation(n)[:20]
-    index = mx.array([*order, order[3], n - 1, 0, order[3]], dtype=mx.int32)  # repeats too
-    got = stack_cuda.take(arrays, index)
-    want = mx.stack([a.reshape(-1, *rest)[index] for a in arrays])
-    assert got.shape == (layers, index.size, *rest) and got.dtype == dtype
-    assert bool(mx.array_equal(got, want))
