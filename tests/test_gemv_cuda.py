@@ -128,3 +128,27 @@ def test_layouts_the_kernel_cannot_read_are_refused() -> None:
     assert not gemv_cuda.fits(x, w.astype(mx.bfloat16))  # mixed dtypes
     with pytest.raises(ValueError, match="does not fit"):
         gemv_cuda.gemv_cuda(_x(9, 64, mx.float32), mx.zeros((4, 64)))
+
+
+def test_float_products_take_the_kernel_as_the_dense_mode_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SLOTSERVE_FUSED_GEMV_DENSE: "0" (default) leaves float products to MLX, "rows" sends
+    those of 2 to 8 rows here, "1" every one that fits; what `matmul` then returns is the
+    kernel's product exactly."""
+    w = (mx.random.normal((300, 256), key=mx.random.key(3)) / 16).astype(mx.bfloat16)
+    one, four, nine = (_x(r, 256, mx.bfloat16) for r in (1, 4, gemv_cuda.MAX_ROWS + 1))
+    monkeypatch.delenv(gemv_cuda.DENSE_ENV, raising=False)
+    assert not any(gemv_cuda.dense_takes(x, w) for x in (one, four, nine))
+    monkeypatch.setenv(gemv_cuda.DENSE_ENV, "rows")
+    assert [gemv_cuda.dense_takes(x, w) for x in (one, four, nine)] == [False, True, False]
+    assert bool(mx.array_equal(matmul(four, w), gemv_cuda.gemv_cuda(four, w)))
+    monkeypatch.setenv(gemv_cuda.DENSE_ENV, "1")
+    assert [gemv_cuda.dense_takes(x, w) for x in (one, four, nine)] == [True, True, False]
+    assert bool(mx.array_equal(matmul(one, w), gemv_cuda.gemv_cuda(one, w)))
+    monkeypatch.setenv(gemv_cuda.DENSE_ENV, "yes")
+    with pytest.raises(ValueError, match="SLOTSERVE_FUSED_GEMV_DENSE"):
+        gemv_cuda.dense_takes(four, w)
+    monkeypatch.setenv("SLOTSERVE_FUSED_GEMV", "0")  # the kernel off: nothing takes it
+    monkeypatch.setenv(gemv_cuda.DENSE_ENV, "1")
+    assert not gemv_cuda.dense_takes(four, w)

@@ -71,6 +71,7 @@ CASES = [
     Case(1, 1024, 8224, 4, 1, None),
     Case(3, 4096, 1000, 4, 1, None),
     Case(8, 512, 96, 4, 1, None),
+    Case(8, 3584, 1000, 4, 1, None),  # the 0.8B's 8-row SwiGLU input: staged in two chunks
     Case(3, 4096, 1000, 1, 1, 1),
     Case(3, 4096, 1000, 8, 1, 3),
     Case(2, 1024, 1001, 2, 2, 4),
@@ -164,6 +165,12 @@ def test_routing_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     wide = _weight("float", 64, 4096, mx.float32)
     assert gemv_cuda.takes_prologue(2, 4096, mx.float32, wide)  # 32 KiB of rows
     assert not gemv_cuda.takes_prologue(3, 4096, mx.float32, wide)  # 48: past the stage
+    down = _weight("float", 64, 3584, mx.bfloat16)  # the 0.8B's 8-row SwiGLU input: 56 KiB
+    assert gemv_cuda.stage_chunk(8, 3584, mx.bfloat16, down) == 2816  # staged in two chunks
+    assert gemv_cuda.stage_chunk(8, 3584, mx.bfloat16, down, "swiglu", split=4) == 2048
+    assert gemv_cuda.stage_chunk(2, 3584, mx.bfloat16, down) == 3584  # whole: it fits
+    assert gemv_cuda.takes_prologue(8, 3584, mx.bfloat16, down, "swiglu")
+    assert not gemv_cuda.takes_prologue(8, 3584, mx.bfloat16, down, "add_norm")  # norm: whole rows
     monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "0")
     assert not gemv_cuda.takes_prologue(1, 256, mx.bfloat16, w)
     assert not gemv_cuda.takes_prologue(1, 256, mx.bfloat16, q8, "swiglu")

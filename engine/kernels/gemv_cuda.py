@@ -114,16 +114,20 @@ _HEAD = (
 )
 
 # The product itself: the lane's weights along K, dequantized once for all rows of x, against
-# the x values `load_x` gives (the two kernels' heads define it, and `warp`, `row0`).
-_PRODUCT = """\
+# the x values `load_x` gives (the two kernels' heads define it, and `warp`, `row0`), summed
+# into `acc`...
+_ACC = """\
     float acc[R][OUTS];
     #pragma unroll
     for (int r = 0; r < R; ++r)
         #pragma unroll
         for (int o = 0; o < OUTS; ++o) acc[r][o] = 0.0f;
+"""
 
+# ... over the values of K from K_LO to K_HI (the whole of K, or one staged chunk of it).
+_PRODUCT = """\
     constexpr long STRIDE = 32L * SPLIT * VEC;  // values of K one round of the block covers
-    for (long k0 = (long(warp) * 32 + lane) * VEC; k0 < K; k0 += STRIDE * U) {
+    for (long k0 = K_LO + (long(warp) * 32 + lane) * VEC; k0 < K_HI; k0 += STRIDE * U) {
         // All U rounds' loads first: U * OUTS 16-byte loads in flight per lane.
         uint4 wq[U][OUTS];
         float sc[U][OUTS], bi[U][OUTS];
@@ -133,7 +137,7 @@ _PRODUCT = """\
             #pragma unroll
             for (int o = 0; o < OUTS; ++o) {
                 const long row = row0 + o < N ? row0 + o : N - 1;  // spare outputs reread the last
-                if (k < K) {
+                if (k < K_HI) {
                     wq[u][o] = __ldg(reinterpret_cast<const uint4*>(base + (row * K + k) * BITS / 8));
                     if (BITS < 16) {
                         sc[u][o] = static_cast<float>(scales[row * (K / GS) + k / GS]);
@@ -145,7 +149,7 @@ _PRODUCT = """\
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             const long k = k0 + u * STRIDE;
-            if (k >= K) break;
+            if (k >= K_HI) break;
             float dot[R][OUTS], sx[R];
             #pragma unroll
             for (int r = 0; r < R; ++r) {
@@ -214,11 +218,13 @@ _TAIL = """\
     }
 """
 
-_SOURCE = _HEAD + _PRODUCT + _TAIL
+_SOURCE = _HEAD + _ACC + "    const long K_LO = 0, K_HI = K;\n" + _PRODUCT + _TAIL
 
 # The staged kernel (`STAGED_ENV`): a block of G groups of SPLIT warps, each group OUTS
-# outputs; the input rows made once per block into shared memory (`R * K` values), so a
-# prologue costs a block one pass over its rows, not one per 16-byte weight load.
+# outputs; the input rows made once per block into shared memory, so a prologue costs a
+# block one pass over its rows, not one per 16-byte weight load. Rows wider than the stage
+# go through it in chunks of KC values of K (`R * KC` values staged at a time; KC = K when
+# they fit, as the add + RMSNorm prologue, which needs whole rows for its norm, must).
 _STAGED_HEAD = (
     _CONSTANTS
     + """\
@@ -230,16 +236,20 @@ _STAGED_HEAD = (
     const long row0 = long(blockIdx.x) * (G * OUTS) + grp * OUTS;  // the group's first output
     const unsigned char* base = reinterpret_cast<const unsigned char*>(w);
     extern __shared__ __align__(16) unsigned char stage_raw[];
-    T* xs = reinterpret_cast<T*>(stage_raw);  // [R][K]: the rows every group reads
-
-    // The block makes its input rows ONCE, into shared memory, rounded where the separate
-    // kernels round: x itself; h = x + m, then RMSNorm(h) * nw (block 0 writes h); or
-    // silu(gate) * up. Its G groups of outputs then read them from there.
+    T* xs = reinterpret_cast<T*>(stage_raw);  // [R][KC]: the rows every group reads
     __shared__ float red[SPLIT * G][R];
     __shared__ float inv[R];
+"""
+)
+
+# One chunk of K, from K_LO to K_HI (the chunk loop defines them): the block makes its rows'
+# values there ONCE, into shared memory, rounded where the separate kernels round: x itself;
+# h = x + m, then RMSNorm(h) * nw (block 0 writes h); or silu(gate) * up. Its G groups of
+# outputs then read them from there.
+_STAGED_CHUNK = """\
     for (int r = 0; r < R; ++r) {
         float ss = 0.0f;
-        for (long k = long(threadIdx.x) * XV; k < K; k += long(NT) * XV) {
+        for (long k = K_LO + long(threadIdx.x) * XV; k < K_HI; k += long(NT) * XV) {
             uint4 su;
             if (PRO == 2) {
                 const uint4 gu = __ldg(reinterpret_cast<const uint4*>(x + r * 2 * K + k));
@@ -263,7 +273,7 @@ _STAGED_HEAD = (
             } else {
                 su = __ldg(reinterpret_cast<const uint4*>(x + r * K + k));
             }
-            *reinterpret_cast<uint4*>(xs + r * K + k) = su;
+            *reinterpret_cast<uint4*>(xs + r * KC + (k - K_LO)) = su;
         }
         if (PRO == 1) {
             #pragma unroll
@@ -296,12 +306,11 @@ _STAGED_HEAD = (
         __syncthreads();
     }
     auto load_x = [&](int r, long k, float* xv) {
-        const uint4 xu = *reinterpret_cast<const uint4*>(xs + r * K + k);
+        const uint4 xu = *reinterpret_cast<const uint4*>(xs + r * KC + (k - K_LO));
         #pragma unroll
         for (int e = 0; e < XV; ++e) xv[e] = static_cast<float>(reinterpret_cast<const T*>(&xu)[e]);
     };
 """
-)
 
 _STAGED_TAIL = """\
     __shared__ float part[G][SPLIT][R][OUTS];
@@ -324,7 +333,17 @@ _STAGED_TAIL = """\
     }
 """
 
-_STAGED_SOURCE = _STAGED_HEAD + _PRODUCT + _STAGED_TAIL
+_STAGED_SOURCE = (
+    _STAGED_HEAD
+    + _ACC
+    + "    for (long K_LO = 0; K_LO < K; K_LO += KC) {\n"
+    + "    const long K_HI = K_LO + KC < K ? K_LO + KC : K;\n"
+    + _STAGED_CHUNK
+    + _PRODUCT
+    + "    __syncthreads();  // every group done with the chunk before the next is staged\n"
+    + "    }\n"
+    + _STAGED_TAIL
+)
 
 
 def enabled() -> bool:
@@ -332,10 +351,30 @@ def enabled() -> bool:
     return switched_on("GEMV")
 
 
-def dense_enabled() -> bool:
-    """Float matrices too, with SLOTSERVE_FUSED_GEMV_DENSE=1 (by default only quantized ones
-    take this kernel: MLX's own gemv reads float weights well)."""
-    return enabled() and os.environ.get("SLOTSERVE_FUSED_GEMV_DENSE", "0") == "1"
+DENSE_ENV = "SLOTSERVE_FUSED_GEMV_DENSE"
+DENSE_MODES = ("0", "1", "rows")
+
+
+def dense_mode() -> str:
+    """Which float products without a prologue take this kernel (SLOTSERVE_FUSED_GEMV_DENSE):
+    "0" (the default) none — MLX's own gemv reads a float matrix as fast at one row and is
+    one launch; "rows" those of 2 to `MAX_ROWS` rows, where MLX goes to cuBLASLt, whose
+    split-K products are two launches (a 0.8B-shaped bf16 step at N = 8 launched 24
+    split-K reductions beside its 48 products: session 11); "1" every one that fits."""
+    if not enabled():
+        return "0"
+    mode = os.environ.get(DENSE_ENV, "0")
+    if mode not in DENSE_MODES:
+        raise ValueError(f"{DENSE_ENV}={mode!r}: one of {', '.join(DENSE_MODES)}")
+    return mode
+
+
+def dense_takes(x: mx.array, w: Weight) -> bool:
+    """Whether `matmul` sends the float product `x @ W.T` here (`dense_mode`)."""
+    mode = dense_mode()
+    if mode == "0" or not fits(x, w):
+        return False
+    return mode == "1" or x.size // x.shape[-1] >= 2
 
 
 def prologue_enabled() -> bool:
@@ -399,6 +438,8 @@ STAGED_GROUPS = 8  # output groups per block of the staged kernel (with one warp
 
 
 STAGED_MODES = ("0", "1", "rows")
+CHUNKS_ENV = "SLOTSERVE_GEMV_STAGE_CHUNKS"  # "0": rows wider than the stage are not staged
+# in chunks (they go to the separate kernels, as before session 11): for measuring
 
 
 def staged_mode() -> str:
@@ -416,16 +457,32 @@ def staged_mode() -> str:
     return mode if prologue_enabled() else "0"
 
 
-def _staged(rows: int, K: int, dtype: mx.Dtype, w: Weight) -> bool:
-    """Whether a prologue product of `rows` rows of width `K` runs in the staged kernel."""
+def _staged(rows: int, K: int, dtype: mx.Dtype, w: Weight, kind: str) -> bool:
+    """Whether a prologue product (`kind`: one of `PROLOGUES`) of `rows` rows of width `K`
+    runs in the staged kernel."""
     mode = staged_mode()
-    if mode == "0" or not _stages(rows, K, dtype):
+    if mode == "0" or not stage_chunk(rows, K, dtype, w, kind):
         return False
     return mode == "1" or (rows >= 2 and not isinstance(w, QuantizedWeight))
 
 
-def _stages(rows: int, K: int, dtype: mx.Dtype) -> bool:
-    return rows * K * dtype.size <= STAGE_MAX_BYTES
+def stage_chunk(
+    rows: int, K: int, dtype: mx.Dtype, w: Weight, kind: str = "swiglu", split: int = 1
+) -> int:
+    """The values of K the staged kernel stages at a time for a product of `rows` rows of
+    width `K` by `w` (0: it cannot take it): all K where the rows fit `STAGE_MAX_BYTES`;
+    else, but for the add + RMSNorm prologue (whose norm needs its rows whole), the most
+    that fit in whole rounds of the block's loads along K (`split` warps' 32 lanes' 16-byte
+    weight loads: 256 bf16 values a warp), so every lane meets the values of K in the order
+    the unchunked kernel does (the same sums, bit for bit) — the 0.8B's 8-row SwiGLU input,
+    3584 wide (56 KiB), in chunks of 2816 and 768."""
+    if rows * K * dtype.size <= STAGE_MAX_BYTES:
+        return K
+    if kind == "add_norm" or os.environ.get(CHUNKS_ENV, "1") == "0":
+        return 0
+    bits = w.bits if isinstance(w, QuantizedWeight) else 8 * w.itemsize
+    per_round = 32 * split * (128 // bits)
+    return STAGE_MAX_BYTES // (rows * dtype.size) // per_round * per_round
 
 
 def takes_prologue(rows: int, K: int, dtype: mx.Dtype, w: Weight, kind: str = "add_norm") -> bool:
@@ -440,7 +497,7 @@ def takes_prologue(rows: int, K: int, dtype: mx.Dtype, w: Weight, kind: str = "a
         raise ValueError(f"takes_prologue: no prologue {kind!r} (one of {', '.join(PROLOGUES)})")
     if not (prologue_enabled() and _fits(rows, K, dtype, w)):  # (prologue first: the
         return False  # portable path's every layer of every eager step asks)
-    if _staged(rows, K, dtype, w):
+    if _staged(rows, K, dtype, w, kind):
         return not isinstance(w, QuantizedWeight) or _preferred(rows, w)
     if rows != 1 or staged_mode() == "1":  # ("1": what the stage does not take, nothing)
         return False
@@ -492,7 +549,7 @@ def add_norm_gemv_cuda(
             f"norm {norm.shape} do not fit this kernel's layouts"
         )
     inputs = [x, m, norm.astype(mx.float32)]
-    staged = _staged(R, K, x.dtype, w)
+    staged = _staged(R, K, x.dtype, w, "add_norm")
     out, h = _launch(_ADD_NORM, inputs, w, R, outs, unroll, split, eps=eps, staged=staged)
     return h, out
 
@@ -506,7 +563,7 @@ def swiglu_gemv_cuda(
     R, K2 = gu.shape if gu.ndim == 2 else (0, 1)
     if K2 % 2 or not _fits(R, K2 // 2, gu.dtype, w):
         raise ValueError(f"swiglu_gemv_cuda: gu {gu.shape} {gu.dtype} does not fit this kernel")
-    staged = _staged(R, K2 // 2, gu.dtype, w)
+    staged = _staged(R, K2 // 2, gu.dtype, w, "swiglu")
     (out,) = _launch(_SWIGLU, [gu], w, R, outs, unroll, split, staged=staged)
     return out
 
@@ -551,10 +608,14 @@ def _launch(
     source = _source(names, pro, eps, staged)
     variant = f"{','.join(names)}|{pro}|{eps!r}"
     if staged:  # dynamic shared memory is the kernel's, not the launch's: bucket it
-        stage = -(-R * K * dtype.size // 4096) * 4096  # (CUDA's limit without opting in)
+        kind = "add_norm" if pro == _ADD_NORM else "swiglu"
+        chunk = stage_chunk(R, K, dtype, w, kind, split)
+        if not chunk:
+            raise ValueError(f"gemv_cuda: {R} rows of {K} do not fit the stage")
+        stage = -(-R * chunk * dtype.size // 4096) * 4096  # (CUDA's limit without opting in)
         variant += f"|staged {stage}"
         kernel = cached_kernel("gemv_staged", variant, names, outputs, source, shared_memory=stage)
-        extra.append(("G", groups))
+        extra += [("G", groups), ("KC", chunk)]
     else:
         kernel = cached_kernel("gemv", variant, names, outputs, source)
     return list(

@@ -75,7 +75,7 @@ def matmul(x: mx.array, w: Weight) -> mx.array:
         return mx.quantized_matmul(
             x, w.weight, w.scales, w.biases, transpose=True, group_size=w.group_size, bits=w.bits
         )
-    if gemv_cuda.dense_enabled() and gemv_cuda.fits(x, w):
+    if gemv_cuda.dense_takes(x, w):
         return gemv_cuda.gemv_cuda(x, w)
     return x @ transposed(w)
 
