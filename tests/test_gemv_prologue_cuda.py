@@ -23,20 +23,23 @@ pytestmark = pytest.mark.skipif(not available(), reason="needs MLX's CUDA backen
 ONE = [[3, 9, 27, 81, 243]]  # one sequence: its decode steps are the one-row products
 
 
-@pytest.mark.parametrize("staged", ["0", "1", "rows"])
+@pytest.mark.parametrize("staged", ["0", "1", "rows", "rows/auto"])
 @pytest.mark.parametrize("preset", ["tiny", "tiny-next"])
 def test_a_model_through_the_prologues_matches_the_portable_path(
     make_model: Callable[..., Path], preset: str, staged: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Float matrices: where the prologues run — one row ("0"; "1": staged, every product of
-    the model they fit) or three (the default "rows": staged at 2-8 rows). First in the file:
-    a time-limited GPU run reaches the model before the kernel variants below are built."""
+    the model they fit) or three (the default "rows": staged at 2-8 rows; "rows/auto": with
+    SLOTSERVE_GEMV_STAGED_SPLIT=auto, warps sharing K). First in the file: a time-limited GPU
+    run reaches the model before the kernel variants below are built."""
     path = make_model(preset, quant="f32")
-    prompts = PROMPTS if staged == "rows" else ONE
+    mode, _, split = staged.partition("/")
+    prompts = PROMPTS if mode == "rows" else ONE
     monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "0")
     portable = two_steps(path, prompts=prompts)
     monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "1")
-    monkeypatch.setenv(gemv_cuda.STAGED_ENV, staged)
+    monkeypatch.setenv(gemv_cuda.STAGED_ENV, mode)
+    monkeypatch.setenv(gemv_cuda.STAGED_SPLIT_ENV, split or "1")
     assert_as_close_as(two_steps(path, prompts=prompts), portable, on_cpu(path, prompts=prompts))
 
 
@@ -171,6 +174,14 @@ def test_routing_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     assert gemv_cuda.stage_chunk(2, 3584, mx.bfloat16, down) == 3584  # whole: it fits
     assert gemv_cuda.takes_prologue(8, 3584, mx.bfloat16, down, "swiglu")
     assert not gemv_cuda.takes_prologue(8, 3584, mx.bfloat16, down, "add_norm")  # norm: whole rows
+    assert gemv_cuda.staged_split(1024, 4) == 1  # the default: one warp a group
+    monkeypatch.setenv(gemv_cuda.STAGED_SPLIT_ENV, "auto")
+    assert gemv_cuda.staged_split(1024, 4) == 4  # 32 blocks of one warp a group: too few
+    assert gemv_cuda.staged_split(7168, 4) == 1  # 224 blocks
+    monkeypatch.setenv(gemv_cuda.STAGED_SPLIT_ENV, "3")
+    with pytest.raises(ValueError, match="SLOTSERVE_GEMV_STAGED_SPLIT"):
+        gemv_cuda.staged_split(1024, 4)
+    monkeypatch.delenv(gemv_cuda.STAGED_SPLIT_ENV)
     monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "0")
     assert not gemv_cuda.takes_prologue(1, 256, mx.bfloat16, w)
     assert not gemv_cuda.takes_prologue(1, 256, mx.bfloat16, q8, "swiglu")

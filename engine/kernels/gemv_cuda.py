@@ -507,6 +507,24 @@ def takes_prologue(rows: int, K: int, dtype: mx.Dtype, w: Weight, kind: str = "a
     return w.nbytes < PROLOGUE_MAX_BYTES
 
 
+STAGED_SPLIT_ENV = "SLOTSERVE_GEMV_STAGED_SPLIT"
+SMS = 132  # the H200's multiprocessors
+
+
+def staged_split(n_out: int, outs: int) -> int:
+    """Warps per output group sharing K in the staged kernel (SLOTSERVE_GEMV_STAGED_SPLIT):
+    "1" (the default, the only one measured) or 2, 4, 8; "auto": 4 where one warp per group
+    leaves fewer blocks than the GPU has multiprocessors — the 0.8B's 1024-output down
+    projection at 8 rows made 32 blocks and read its 7.3 MB at ~0.2 TB/s (34 µs a launch,
+    session 11 timeline), where 4 warps a group make 128. For measuring, not measured yet."""
+    mode = os.environ.get(STAGED_SPLIT_ENV, "1")
+    if mode == "auto":
+        return 4 if -(-n_out // (outs * STAGED_GROUPS)) < SMS else 1
+    if mode not in ("1", "2", "4", "8"):
+        raise ValueError(f"{STAGED_SPLIT_ENV}={mode!r}: one of 1, 2, 4, 8, auto")
+    return int(mode)
+
+
 def split_for(rows: int, n_out: int, outs: int) -> int:
     """Warps per block sharing K, as measured on the H200 (9B shapes, 8-bit;
     docs/PERFORMANCE.md, session 6): 4 for one row of a matrix with fewer than 2048 blocks
@@ -587,7 +605,7 @@ def _launch(
     N = w.shape[0]
     K = inputs[0].shape[1] // (2 if pro == _SWIGLU else 1)
     if split is None:
-        split = 1 if staged else split_for(R, N, outs)
+        split = staged_split(N, outs) if staged else split_for(R, N, outs)
     groups = max(1, STAGED_GROUPS // split) if staged else 1  # at most 256 threads a block
     if not (outs >= 1 and R * outs <= 32 and unroll >= 1 and 1 <= split * groups <= 32):
         raise ValueError(
