@@ -73,13 +73,26 @@ def stack(arrays: list[mx.array]) -> mx.array:
     return out
 
 
+# Each thread copies V consecutive elements of one entry (V = 16 bytes' worth where an entry
+# holds whole 16-byte pieces, else 1): one 16-byte load and store where both ends are
+# aligned, and one division per V elements. (One element a thread and a 64-bit division per
+# element read the 0.8B's kept states at ~1.6 TB/s on the H200: 187 us for ~150 MB, session 11.)
 _TAKE_SOURCE = """
     long E = 1;  // elements per entry: the product of the axes after the first two
     for (int d = 2; d < a0_ndim; ++d) E *= a0_shape[d];
     const long n = long(index_shape[0]) * E;  // elements taken from each input
-    const long i = long(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long i = (long(blockIdx.x) * blockDim.x + threadIdx.x) * V;  // this thread's first
     if (i >= n) return;
-{pick}    out[long(k) * n + i] = src[long(index[i / E]) * E + i % E];
+{pick}    const long e = i / E;
+    const T* from = src + long(index[e]) * E + (i - e * E);
+    T* to = out + long(k) * n + i;
+    if (V * sizeof(T) == 16 && (reinterpret_cast<unsigned long long>(from)
+            | reinterpret_cast<unsigned long long>(to)) % 16 == 0) {{
+        *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
+    }} else {{
+        #pragma unroll
+        for (int j = 0; j < V; ++j) to[j] = from[j];
+    }}
 """
 
 
@@ -107,12 +120,14 @@ def take(arrays: list[mx.array], index: mx.array) -> mx.array:
     index = index.astype(mx.int32)
     kernel = _kernel("take", L, _TAKE_SOURCE, ["index"])
     M = index.shape[0]
-    n = M * (first.size // (first.shape[0] * first.shape[1]))
+    E = first.size // (first.shape[0] * first.shape[1])
+    V = 16 // first.itemsize if E * first.itemsize % 16 == 0 else 1
+    threads = M * E // V
     block = 256
     (out,) = kernel(
         inputs=[*arrays, index],
-        template=[("T", first.dtype)],
-        grid=(-(-n // block) * block, L, 1),
+        template=[("T", first.dtype), ("V", V)],
+        grid=(-(-threads // block) * block, L, 1),
         threadgroup=(block, 1, 1),
         output_shapes=[(L, M, *rest)],
         output_dtypes=[first.dtype],
