@@ -7,6 +7,8 @@ owns and hands in and out of every layer: nothing per-sequence lives on the mode
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -42,25 +44,17 @@ class Layout:
         if not lengths or min(lengths) < 1 or not len(lengths) == len(starts) == len(capture):
             raise ValueError(f"bad batch layout: lengths={lengths} starts={starts}")
         width = max(lengths)
-        pad: list[list[int]] = []
-        valid: list[list[bool]] = []
-        pack: list[int] = []
-        offset = 0
-        for b, n in enumerate(lengths):
-            pad.append([offset + t if t < n else 0 for t in range(width)])
-            valid.append([t < n for t in range(width)])
-            pack.extend(b * width + t for t in range(n))
-            offset += n
+        pad_index, pack_index, valid, row_lengths = _by_lengths(tuple(lengths))
         return Layout(
             rows=len(lengths),
             width=width,
             uniform=min(lengths) == width,
             capture=capture,
-            pad_index=mx.array(pad, dtype=mx.int32),
-            pack_index=mx.array(pack, dtype=mx.int32),
-            valid=mx.array(valid),
+            pad_index=pad_index,
+            pack_index=pack_index,
+            valid=valid,
             row_starts=mx.array(list(starts), dtype=mx.int32),
-            row_lengths=mx.array(list(lengths), dtype=mx.int32),
+            row_lengths=row_lengths,
         )
 
     @property
@@ -102,6 +96,46 @@ class Layout:
         """Padded `[B, T, ...]` -> packed `[N, ...]`."""
         flat = x.reshape(self.rows * self.width, *x.shape[2:])
         return flat if self.uniform else flat[self.pack_index]
+
+
+_LENGTHS_KEPT = 64  # row-length tuples whose arrays are kept (a decode width is one each)
+_by_lengths_kept: OrderedDict[tuple[int, ...], tuple[mx.array, ...]] = OrderedDict()
+_by_lengths_lock = threading.Lock()
+
+
+def _by_lengths(lengths: tuple[int, ...]) -> tuple[mx.array, ...]:
+    """A layout's arrays that depend only on its rows' lengths — pad index, pack index,
+    valid mask, lengths — made once per length tuple and kept (the most recent
+    `_LENGTHS_KEPT`): a decode step of a width it met before builds only its starts. Made
+    anew each step, they were host time on every step, and on MLX's CUDA backend (managed
+    memory) fresh host-written buffers each step for the GPU to read. Arrays are immutable,
+    so sharing them between steps and runners is safe."""
+    with _by_lengths_lock:
+        kept = _by_lengths_kept.get(lengths)
+        if kept is not None:
+            _by_lengths_kept.move_to_end(lengths)
+            return kept
+    width = max(lengths)
+    pad: list[list[int]] = []
+    valid: list[list[bool]] = []
+    pack: list[int] = []
+    offset = 0
+    for b, n in enumerate(lengths):
+        pad.append([offset + t if t < n else 0 for t in range(width)])
+        valid.append([t < n for t in range(width)])
+        pack.extend(b * width + t for t in range(n))
+        offset += n
+    made = (
+        mx.array(pad, dtype=mx.int32),
+        mx.array(pack, dtype=mx.int32),
+        mx.array(valid),
+        mx.array(list(lengths), dtype=mx.int32),
+    )
+    with _by_lengths_lock:
+        _by_lengths_kept[lengths] = made
+        if len(_by_lengths_kept) > _LENGTHS_KEPT:
+            _by_lengths_kept.popitem(last=False)
+    return made
 
 
 def unstacked(a: mx.array, ndim: int) -> mx.array:
