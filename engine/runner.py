@@ -279,7 +279,9 @@ class ModelRunner:
         fed = tokens.astype(mx.int32)
         if pads:  # rows on other slots, read and never written; their outputs dropped
             fed = mx.pad(fed, [(0, len(pads))])
-        inputs = [fed, mx.arange(width, dtype=mx.int32), *layout.arrays()]
+        # every row's one output: the rows' packed indices, 0 .. width-1 (the layout's kept
+        # array: no arange node, no fresh buffer a step)
+        inputs = [fed, layout.pack_index, *layout.arrays()]
         logits, hidden, new, _, _ = fn(inputs, self.pool.read(slots + pads, past))
         if pads:
             logits, hidden, new, _ = _real_rows((n, n, n), logits, hidden, new, [])
