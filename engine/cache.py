@@ -262,12 +262,17 @@ class SlotPool:
         self, slots: list[SlotId], tok_slot: mx.array, tok_pos: mx.array, new: list[mx.array]
     ) -> None:
         """Store a step's new state (as `stack_states` returns it) in place: each row's conv
-        and ssm, and K/V of every packed token at `(tok_slot, tok_pos)`."""
-        k, v, conv, ssm = new
+        and ssm, and K/V of every packed token at `(tok_slot, tok_pos)`. The ssm comes
+        stacked (one write) or a layer at a time (a write each)."""
+        k, v, conv, *ssm = new
         self.k[:, tok_slot, tok_pos] = k.astype(self.kv_dtype)
         self.v[:, tok_slot, tok_pos] = v.astype(self.kv_dtype)
         put_slots(self.conv, slots, conv, self.MAX_RUNS)
-        put_slots(self.ssm, slots, ssm, self.MAX_RUNS)
+        if len(ssm) == 1:
+            put_slots(self.ssm, slots, ssm[0], self.MAX_RUNS)
+        else:
+            for layer, rows in enumerate(ssm):
+                put_slots(self.ssm, slots, rows, self.MAX_RUNS, layer)
 
     @staticmethod
     def split_states(
@@ -294,16 +299,24 @@ class SlotPool:
         return states
 
     @staticmethod
-    def stack_states(layout: Layout, new: list[AttentionState | LinearState]) -> list[mx.array]:
-        """The layers' new state stacked for `write`: K/V packed `[La, N, Hkv, D]`, conv, ssm."""
+    def stack_states(
+        layout: Layout, new: list[AttentionState | LinearState], ssm_layers: bool = False
+    ) -> list[mx.array]:
+        """The layers' new state for `write`: K/V packed `[La, N, Hkv, D]`, conv `[Ll, N,
+        ...]`, then the ssm stacked `[Ll, N, ...]` — or, with `ssm_layers`, each linear
+        layer's on its own (`[1, N, ...]`, a view of what its mixer made). Stacking copies
+        every row's recurrent state once more on the device (a wide batch's largest
+        traffic: 64 rows of the 0.8B are 1.2 GB a step) to save the launches of a write per
+        layer (`SSM_WRITE_ENV`)."""
         attn = [s for s in new if isinstance(s, AttentionState)]
         lin = [s for s in new if isinstance(s, LinearState)]
         packed = [s.packed or (layout.to_packed(s.k), layout.to_packed(s.v)) for s in attn]
+        ssm = [s.ssm[None] for s in lin] if ssm_layers else [stack_cuda.stack([s.ssm for s in lin])]
         return [
             stack_cuda.stack([k for k, _ in packed]),
             stack_cuda.stack([v for _, v in packed]),
             stack_cuda.stack([s.conv for s in lin]),
-            stack_cuda.stack([s.ssm for s in lin]),
+            *ssm,
         ]
 
     def commit(
@@ -544,16 +557,20 @@ def take_slots(a: mx.array, slots: list[SlotId], axis: int, max_runs: int) -> mx
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=axis)
 
 
-def put_slots(a: mx.array, slots: list[SlotId], rows: mx.array, max_runs: int) -> None:
+def put_slots(
+    a: mx.array, slots: list[SlotId], rows: mx.array, max_runs: int, layer: int | None = None
+) -> None:
     """Write `rows` (in `slots` order along axis 1) into `a` in place at `slots` on axis 1:
-    slices for rows on at most `max_runs` runs of consecutive slots, else one scatter."""
+    slices for rows on at most `max_runs` runs of consecutive slots, else one scatter.
+    `layer`: `rows` `[1, N, ...]` go to that index of `a`'s first axis only."""
+    lead = slice(None) if layer is None else slice(layer, layer + 1)
     runs = _runs(slots)
     if len(runs) > max_runs:
-        a[:, mx.array(slots, dtype=mx.int32)] = rows
+        a[lead, mx.array(slots, dtype=mx.int32)] = rows
         return
     at = 0
     for lo, hi in runs:
-        a[:, lo:hi] = rows[:, at : at + hi - lo]
+        a[lead, lo:hi] = rows[:, at : at + hi - lo]
         at += hi - lo
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -179,6 +180,7 @@ class ModelRunner:
         # uniform (`uniform_shapes`: a compiled runner on a GPU, where a batch of a width not
         # compiled yet costs tens of ms and a few more rows almost nothing).
         self.pad_widths = uniform_shapes(self)
+        self.ssm_layers_from = ssm_layers_from()
         self.last_host_s = 0.0
         self.last_tokens = 0  # tokens of the last step, all rows together
         # Steps (and drafts) of a compiled runner that ran a batch shape not compiled yet —
@@ -343,6 +345,11 @@ class ModelRunner:
             past = 1 << (past - 1).bit_length()
         return min(self.pool.max_context, past)
 
+    def ssm_layers(self, rows: int) -> bool:
+        """Whether a step of `rows` rows hands the pool its recurrent states a layer at a
+        time rather than stacked (`SlotPool.stack_states`; `SSM_WRITE_ENV`)."""
+        return self.ssm_layers_from is not None and rows >= self.ssm_layers_from
+
     def recurs(self, shortest: int, longest: int) -> bool:
         """Whether rows of these lengths make a decode or verify step — one length, at most
         a draft's K + 1 tokens — whose shape recurs step after step (unlike a prefill's)."""
@@ -389,7 +396,7 @@ class ModelRunner:
             hidden, new_states, captures, tapped = model(tokens, lay, states, taps)
             h = hidden[picked]
             flat = [a for c in captures if c is not None for a in (c.windows, c.states)]
-            new = SlotPool.stack_states(lay, new_states)
+            new = SlotPool.stack_states(lay, new_states, self.ssm_layers(layout.rows))
             t = [] if tapped is None else [tapped[picked]]  # a list: compiled graphs return no None
             return model.logits(h).astype(mx.float32), h, new, flat, t
 
@@ -614,6 +621,27 @@ def last_logits(outputs: Sequence[RowOutput]) -> mx.array:
     return mx.concatenate([o.logits[-1:] for o in outputs])
 
 
+SSM_WRITE_ENV = "SLOTSERVE_POOL_SSM_WRITE"
+
+
+def ssm_layers_from() -> int | None:
+    """From how many rows a step writes its recurrent states into the pool a layer at a time
+    (SLOTSERVE_POOL_SSM_WRITE, read when a runner is made): "stacked" (the default, never:
+    one stack and one write, two launches), "layers" (always: a write per linear layer, no
+    stacked copy) or a row count. The stacked copy moves every row's state once more on the
+    device — at 64 rows of the 0.8B, 1.2 GB read and written a step — while a write per
+    layer costs 16 more launches, which bound a narrow step's time. For measuring: not yet
+    run on a GPU."""
+    mode = os.environ.get(SSM_WRITE_ENV, "stacked")
+    if mode == "stacked":
+        return None
+    if mode == "layers":
+        return 1
+    if not mode.isdigit() or int(mode) < 1:
+        raise ValueError(f"{SSM_WRITE_ENV}={mode!r}: stacked, layers or a row count >= 1")
+    return int(mode)
+
+
 def uniform_shapes(runner: ModelRunner) -> bool:
     """Whether padding rows to one shape pays (`Speculator.uniform_verify`,
     `MTPDrafter.uniform`): in a compiled runner on a GPU, where a step of a new shape costs
@@ -653,11 +681,11 @@ def _real_rows(
     """A padded step's outputs cut to its `real` (rows, tokens, outputs), the padding rows
     last in each: views, no copies."""
     rows, tokens, outputs = real
-    k, v, conv, ssm = new
+    k, v, *rest = new  # then conv and the ssm (stacked, or one a linear layer), rows on axis 1
     return (
         logits[:outputs],
         hidden[:outputs],
-        [k[:, :tokens], v[:, :tokens], conv[:, :rows], ssm[:, :rows]],
+        [k[:, :tokens], v[:, :tokens], *(a[:, :rows] for a in rest)],
         [t[:outputs] for t in tapped],
     )
 

@@ -350,3 +350,41 @@ def test_rolling_back_slots_captured_by_different_steps_equals_one_at_a_time(
                 pool.rollback(s, keep)
         pools.append([pool.snapshot(s) for s in (a, b, c)])
     assert all(snapshots_equal(x, y) for x, y in zip(*pools, strict=True))
+
+
+@pytest.mark.parametrize("mode", ["layers", "3"])
+def test_writing_recurrent_states_a_layer_at_a_time_stores_what_stacking_does(
+    model: Model, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SLOTSERVE_POOL_SSM_WRITE: prefill, decode steps on consecutive and on scattered slots
+    (slices and a scatter), a verify step and its rollback, and a decode-ahead step — the
+    pool holds bit for bit what the stacked write leaves ("3": layer writes only for steps
+    of 3 rows or more, so both paths meet in one runner)."""
+    pools = []
+    for write in ("stacked", mode):
+        monkeypatch.setenv("SLOTSERVE_POOL_SSM_WRITE", write)
+        rng = np.random.default_rng(11)
+        runner = new_runner(model, n_slots=8, context=64)
+        pool = runner.pool
+        assert runner.ssm_layers(8) == (write != "stacked")
+        slots = [pool.allocate() for _ in range(8)]
+        runner.step([Row(s, [int(t) for t in rng.integers(0, 512, 5)], 0) for s in slots])
+        for group in (slots, [slots[i] for i in (0, 2, 5, 7)], slots[3:5]):
+            for _ in range(2):
+                runner.step([Row(s, [int(rng.integers(0, 512))], pool.lengths[s]) for s in group])
+        chosen = [slots[i] for i in (1, 4, 6)]
+        drafts = [[int(t) for t in rng.integers(0, 512, K + 1)] for _ in chosen]
+        runner.step(
+            [Row(s, d, pool.lengths[s], capture=True) for s, d in zip(chosen, drafts, strict=True)]
+        )
+        pool.rollback_many([(s, keep) for s, keep in zip(chosen, (2, K + 1, 1), strict=True)])
+        pending = runner.launch(slots, mx.array(rng.integers(0, 512, 8), dtype=mx.int32))
+        runner.adopt(pending, range(8))
+        pools.append([pool.snapshot(s) for s in slots])
+    assert all(snapshots_equal(a, b) for a, b in zip(*pools, strict=True))
+
+
+def test_a_bad_ssm_write_mode_is_refused(model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLOTSERVE_POOL_SSM_WRITE", "wide")
+    with pytest.raises(ValueError, match="SLOTSERVE_POOL_SSM_WRITE"):
+        new_runner(model)
