@@ -178,6 +178,11 @@ def test_routing_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(gemv_cuda.STAGED_SPLIT_ENV, "auto")
     assert gemv_cuda.staged_split(1024, 4) == 4  # 32 blocks of one warp a group: too few
     assert gemv_cuda.staged_split(7168, 4) == 1  # 224 blocks
+    q4 = _weight("q4", 64, 3584, mx.bfloat16)  # 4 warps' round of 4-bit loads: 4096 values
+    assert gemv_cuda.stage_chunk(8, 3584, mx.bfloat16, q4, "swiglu", split=4) == 0
+    gu = _rows(8, 2 * 3584, mx.bfloat16, 9, scale=3.0)  # so "auto" falls back to one warp
+    want = gemv_cuda.gemv_cuda(swiglu_cuda.swiglu_cuda(gu), q4, split=1)
+    assert bool(mx.array_equal(gemv_cuda.swiglu_gemv_cuda(gu, q4), want))
     monkeypatch.setenv(gemv_cuda.STAGED_SPLIT_ENV, "3")
     with pytest.raises(ValueError, match="SLOTSERVE_GEMV_STAGED_SPLIT"):
         gemv_cuda.staged_split(1024, 4)

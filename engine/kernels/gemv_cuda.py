@@ -604,8 +604,13 @@ def _launch(
 ) -> list[mx.array]:
     N = w.shape[0]
     K = inputs[0].shape[1] // (2 if pro == _SWIGLU else 1)
-    if split is None:
-        split = staged_split(N, outs) if staged else split_for(R, N, outs)
+    kind = "add_norm" if pro == _ADD_NORM else "swiglu"
+    if split is None and staged:
+        split = staged_split(N, outs)
+        # a split whose round of loads is wider than a chunk that fits the stage: one warp
+        split = split if stage_chunk(R, K, inputs[0].dtype, w, kind, split) else 1
+    elif split is None:
+        split = split_for(R, N, outs)
     groups = max(1, STAGED_GROUPS // split) if staged else 1  # at most 256 threads a block
     if not (outs >= 1 and R * outs <= 32 and unroll >= 1 and 1 <= split * groups <= 32):
         raise ValueError(
@@ -626,7 +631,6 @@ def _launch(
     source = _source(names, pro, eps, staged)
     variant = f"{','.join(names)}|{pro}|{eps!r}"
     if staged:  # dynamic shared memory is the kernel's, not the launch's: bucket it
-        kind = "add_norm" if pro == _ADD_NORM else "swiglu"
         chunk = stage_chunk(R, K, dtype, w, kind, split)
         if not chunk:
             raise ValueError(f"gemv_cuda: {R} rows of {K} do not fit the stage")
