@@ -76,7 +76,8 @@ def stack(arrays: list[mx.array]) -> mx.array:
 # Each thread copies V consecutive elements of one entry (V = 16 bytes' worth where an entry
 # holds whole 16-byte pieces, else 1): one 16-byte load and store where both ends are
 # aligned, and one division per V elements. (One element a thread and a 64-bit division per
-# element read the 0.8B's kept states at ~1.6 TB/s on the H200: 187 us for ~150 MB, session 11.)
+# element moved the 0.8B's kept states of 8 rows, ~150 MB each way, at under 1 TB/s on the
+# H200: 375 us for a verify step's two launches, session 11.)
 _TAKE_SOURCE = """
     long E = 1;  // elements per entry: the product of the axes after the first two
     for (int d = 2; d < a0_ndim; ++d) E *= a0_shape[d];
