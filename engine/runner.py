@@ -175,6 +175,8 @@ class ModelRunner:
         self.compile = compile
         self._compiled: OrderedDict[tuple[object, ...], Callable[..., Any]] = OrderedDict()
         self._sightings: OrderedDict[tuple[object, ...], int] = OrderedDict()  # not yet compiled
+        # forwards compiled ahead of use (`precompile_decode`): never evicted
+        self._pinned: dict[tuple[object, ...], Callable[..., Any]] = {}
         self.compile_after = self.COMPILE_AFTER
         # Decode and verify steps run at a padded width (`padded_width`) where shapes are
         # uniform (`uniform_shapes`: a compiled runner on a GPU, where a batch of a width not
@@ -256,6 +258,39 @@ class ModelRunner:
             out.rows.append(RowOutput(packed=(logits, hid, at, n), taps=row_taps))
             at += n
         return out
+
+    def precompile_decode(self) -> int:
+        """Compile, ahead of any request, the decode forward of every batch width (padded:
+        `padded_width`) and every past bucket (`past_for`) this pool can meet, and keep
+        them for good (the least-recently-used cap does not evict them): on a GPU a shape
+        compiled at its first step stalls that step (and every row in it) for tens of ms, and
+        a pool of 64 slots and 4,096 positions meets 11 widths x 11 past buckets as its
+        contexts grow. Each runs once on the pool's state as it is, read only — nothing is
+        written (the same forward `launch` and `step` key a decode step by). Returns the
+        number compiled now; 0 for an eager runner."""
+        if not self.compile:
+            return 0
+        widths = sorted({self.padded_width(n) for n in range(1, self.pool.n_slots + 1)})
+        context = self.pool.max_context
+        pasts = sorted({self.past_for(start) for start in range(context)})
+        made = 0
+        for width in widths:
+            slots = [SlotId(s) for s in range(width)]
+            for past in pasts:
+                start = min(past, context - 1)  # a start whose bucket is `past`
+                layout = Layout.build([1] * width, [start] * width, [False] * width)
+                key = shape_key(layout, width, past, ())
+                if key in self._pinned:
+                    continue
+                fn = self._compiled.pop(key, None) or mx.compile(self._forward_fn_body(layout, ()))
+                tokens = mx.zeros((width,), dtype=mx.int32)
+                logits, _, new, _, _ = fn(
+                    [tokens, layout.pack_index, *layout.arrays()], self.pool.read(slots, past)
+                )
+                mx.eval(logits, new)
+                self._pinned[key] = fn
+                made += 1
+        return made
 
     def launch(
         self, slots: Sequence[SlotId], tokens: mx.array, want_hidden: bool = False
@@ -385,6 +420,16 @@ class ModelRunner:
     def _forward_fn(
         self, key: tuple[object, ...], layout: Layout, taps: tuple[int, ...]
     ) -> Callable[..., Any]:
+        """The trunk's forward for this batch shape, kept (`_kept_or`)."""
+        forward = self._forward_fn_body(layout, taps)
+        # Compiled at once, a decode or verify shape skips an eager first step (on a GPU
+        # tens of ms, one per width and past bucket); a ragged prefill waits for its shape to
+        # come back.
+        recurs = layout.uniform and self.recurs(layout.width, layout.width)
+        return self._kept_or(key, forward, at_once=recurs)
+
+    def _forward_fn_body(self, layout: Layout, taps: tuple[int, ...]) -> Callable[..., Any]:
+        """The trunk's forward over a batch of `layout`'s shape (not compiled)."""
         model, config = self.model, self.model.config
 
         def forward(
@@ -400,11 +445,7 @@ class ModelRunner:
             t = [] if tapped is None else [tapped[picked]]  # a list: compiled graphs return no None
             return model.logits(h).astype(mx.float32), h, new, flat, t
 
-        # Compiled at once, a decode or verify shape skips an eager first step (on a GPU
-        # tens of ms, one per width and past bucket); a ragged prefill waits for its shape to
-        # come back.
-        recurs = layout.uniform and self.recurs(layout.width, layout.width)
-        return self._kept_or(key, forward, at_once=recurs)
+        return forward
 
     def _draft_fn(self, key: tuple[object, ...], layout: Layout) -> Callable[..., Any]:
         """The MTP head's forward for one batch shape, compiled like the trunk's."""
@@ -458,6 +499,9 @@ class ModelRunner:
         kept — in a compiled runner compiled, once the shape has come `compile_after` times
         (`at_once`: the first time; until then it runs eagerly, not kept); the least recently
         used go past `MAX_FORWARDS`."""
+        pinned = self._pinned.get(key)
+        if pinned is not None:
+            return pinned
         kept = self._compiled.get(key)
         if kept is not None:
             self._compiled.move_to_end(key)

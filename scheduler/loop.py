@@ -226,6 +226,15 @@ class Scheduler:
         """Whether steps are queued ahead (`SchedulerConfig.decode_ahead`, and no drafter)."""
         return self._stepper.decode_ahead
 
+    async def precompile(self) -> int:
+        """Compile every decode batch shape the runner can meet (`ModelRunner.
+        precompile_decode`) on the step thread, where steps run: the number compiled. Only
+        while running; meant for before requests come (a daemon's warm-up): it runs between
+        steps, so a step waits for it."""
+        if self._state != _State.RUNNING:
+            raise RuntimeError("precompile needs a running Scheduler")
+        return await self._thread.run(self.runner.precompile_decode)
+
     def stats(self) -> SchedulerStats:
         """A snapshot of the scheduler's state and counters since it started."""
         c, step = self._counters, self._stepper

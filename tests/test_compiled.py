@@ -255,3 +255,45 @@ def test_a_launched_step_changes_nothing_until_adopted_and_then_only_its_kept_ro
     with pytest.raises(BatchError, match="moved"):
         runner.adopt(pending, [1, 0])
     assert snapshots_equal(kept, pool.snapshot(ss[1]))
+
+
+def test_precompiled_decode_shapes_meet_no_cold_step_and_change_nothing(model: Model) -> None:
+    """`precompile_decode` compiles every decode width and past bucket the pool can meet
+    without touching it; decode steps afterwards — through `step` and through `launch` /
+    `adopt`, at every width, across past buckets — compile nothing, and give the logits an
+    eager runner gives."""
+    eager = ModelRunner(model, SlotPool(model.config, 3, 130, mx.float32))
+    runner = ModelRunner(model, SlotPool(model.config, 3, 130, mx.float32), compile=True)
+    assert eager.precompile_decode() == 0  # nothing to compile in an eager runner
+    slot = runner.pool.allocate()
+    runner.step([Row(slot, [5, 6, 7], 0)])
+    before = runner.pool.snapshot(slot)
+    made = runner.precompile_decode()
+    assert made == 3 * 4  # widths 1-3 x pasts 0, 64, 128, 130
+    assert snapshots_equal(runner.pool.snapshot(slot), before)
+    assert runner.precompile_decode() == 0
+    runner.pool.free(slot)
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(0, 512, 60)] for _ in range(3)]
+    for r in (eager, runner):  # prefills: their shapes are not decode shapes
+        for s, p in zip([r.pool.allocate() for _ in prompts], prompts, strict=True):
+            r.step([Row(s, p, 0)])
+    cold = runner.cold_steps
+    tok = 9
+    for n in range(70):  # lengths 60 .. 129: past buckets 64 and 128 and 130, all widths
+        width = 1 + n % 3
+        outs = []
+        for r in (eager, runner):
+            rows = [Row(s, [tok], r.pool.lengths[s]) for s in range(width)]
+            if r is runner and n % 2:
+                pending = r.launch(list(range(width)), mx.array([tok] * width, dtype=mx.int32))
+                outs.append(r.adopt(pending, range(width)))
+            else:
+                outs.append(r.step(rows))
+        assert _same_outputs(*outs)
+        if width < 3:  # keep every slot's length within the context
+            for r in (eager, runner):
+                for s in range(width, 3):
+                    r.step([Row(s, [tok], r.pool.lengths[s])])
+        tok = int(mx.argmax(outs[0].rows[0].logits[-1]))
+    assert runner.cold_steps - cold == 0

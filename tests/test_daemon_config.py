@@ -267,3 +267,41 @@ def test_prefix_cache_placement_reaches_the_scheduler_and_is_logged(
             f"prefix cache: 64 MiB of {placement} memory; a snapshot of 64 tokens takes "
             f"{scheduler.runner.pool.bytes_for(64) / 2**20:.1f} MiB"
         ]
+
+
+def test_precompile_compiles_every_decode_shape_before_serving_and_is_checked(
+    model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`precompile`: "auto" by default (on where MLX computes on a GPU); "on" with compile
+    on compiles every decode width x past bucket of the pool on the scheduler's step thread
+    (2 slots x 130 positions: 2 x 4), after which a request decodes without compiling (with
+    speculation off: verify and draft shapes are not precompiled); with compile off, "on"
+    says there is nothing to compile; anything else is refused."""
+    import anyio
+
+    from scheduler import Request
+    from transport.daemon import precompile
+
+    with pytest.raises(ConfigError, match=r"precompile.*expected one of auto, off, on"):
+        load(None, {"SLOTSERVE_PRECOMPILE": "yes"}, no_flags(model=str(model)))
+    assert load(None, {}, no_flags(model=str(model))).precompile == "auto"
+    flags = no_flags(model=str(model), slots="2", context="130")
+
+    async def serve(env: dict[str, str]) -> tuple[int, int]:
+        config = load(
+            None, {"SLOTSERVE_PREFIX_CACHE": "", "SLOTSERVE_SPECULATION": "off", **env}, flags
+        )
+        scheduler, _ = build_scheduler(config)
+        async with scheduler.running():
+            made = await precompile(scheduler, config.precompile)
+            cold = scheduler.runner.cold_steps
+            request = Request(prompt=[1, 2, 3], max_tokens=8, ignore_eos=True, request_id="a")
+            await scheduler.submit(request).collect()
+            return made, scheduler.runner.cold_steps - cold
+
+    made, cold = anyio.run(serve, {"SLOTSERVE_PRECOMPILE": "on", "SLOTSERVE_COMPILE": "on"})
+    assert made == 2 * 4 and cold == 1  # the prompt's prefill shape only
+    assert anyio.run(serve, {"SLOTSERVE_PRECOMPILE": "off", "SLOTSERVE_COMPILE": "on"})[0] == 0
+    caplog.clear()
+    assert anyio.run(serve, {"SLOTSERVE_PRECOMPILE": "on", "SLOTSERVE_COMPILE": "off"})[0] == 0
+    assert any("precompile is on but compile is off" in r.getMessage() for r in caplog.records)

@@ -28,6 +28,7 @@ WEIGHTS = ("stored", "dense")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPILE = ("auto", "off", "on")
 DECODE_AHEAD = ("auto", "off", "on")
+PRECOMPILE = ("auto", "off", "on")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
@@ -66,6 +67,8 @@ class DaemonConfig:
     compile: str = "auto"  # "on": mx.compile each recurring batch shape's step; "auto": on a GPU
     # queue the next decode step before reading this one; "auto": on a GPU
     decode_ahead: str = "auto"
+    # compile every decode batch shape before serving (compiled runners); "auto": on a GPU
+    precompile: str = "auto"
 
     @property
     def max_draft(self) -> int:
@@ -237,6 +240,11 @@ KEYS = (
         "decode_ahead",
         _choice(DECODE_AHEAD),
         "queue the next decode step while the host reads this one: auto (on a GPU), off or on",
+    ),
+    Key(
+        "precompile",
+        _choice(PRECOMPILE),
+        "compile every decode batch shape before serving: auto (on a GPU), off or on",
     ),
 )
 _BY_NAME = {k.name: k for k in KEYS}

@@ -189,6 +189,22 @@ def _dflash_speculator(runner: ModelRunner, path: Path) -> Speculator:
     return Speculator(runner, runner.pool.max_draft, drafters)
 
 
+async def precompile(scheduler: s.Scheduler, setting: str) -> int:
+    """With `precompile` on (`on_a_gpu_if_auto`), compile every decode batch shape the
+    scheduler's runner can meet before serving (`Scheduler.precompile`); the number
+    compiled, logged with the time it took."""
+    if not on_a_gpu_if_auto(setting):
+        return 0
+    if not scheduler.runner.compile:
+        if setting == "on":
+            log.warning("precompile is on but compile is off: there is nothing to compile")
+        return 0
+    t0 = time.perf_counter()
+    made = await scheduler.precompile()
+    log.info("precompiled %d decode step shapes in %.1f s", made, time.perf_counter() - t0)
+    return made
+
+
 async def warm_up(scheduler: s.Scheduler) -> float:
     """Run one short request through prefill and decode; returns its seconds."""
     t0 = time.perf_counter()
@@ -218,6 +234,7 @@ async def _serve(config: DaemonConfig, reopen: logs.ReopenableFileHandler | None
             ):
                 tg.start_soon(metrics.refresh_forever)
                 tg.start_soon(heap.trim_forever)
+                await precompile(scheduler, config.precompile)
                 log.info("warming up")
                 log.info("warm-up step took %.2f s", await warm_up(scheduler))
                 heap.settle_collector()
