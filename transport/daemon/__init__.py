@@ -6,7 +6,8 @@ Life of the process (`run`):
 3. the model (and the DFlash drafter, if set) loads eagerly and the slot pool is
    allocated (logged with timings);
 4. the server binds in state STARTING (Ping and Stats answer, Generate gets BUSY),
-   one request is run through the whole path as a warm-up, the state turns READY and
+   every decode batch shape is compiled (`precompile`; on a GPU by default), one
+   request is run through the whole path as a warm-up, the state turns READY and
    "ready" is logged;
 5. SIGTERM or SIGINT starts the drain: the server answers new Generates with
    SHUTTING_DOWN, the scheduler lets running requests finish for up to
