@@ -13,6 +13,7 @@ DeltaNet layer, its conv window and its recurrent state after every position;
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NewType
@@ -152,21 +153,28 @@ class SlotPool:
         )
         self.lengths = [0] * self.n_slots
         self.mtp_lengths = [0] * self.n_slots
-        self._free = list(range(self.n_slots - 1, -1, -1))
+        # Free slots as a heap: the lowest is taken first, so slots in use stay packed at the
+        # bottom and a batch of them in slot order is a few runs of consecutive slots, which
+        # `read` and `write` take as slices (scattered ones are gathered and scattered: a
+        # copy of every row's state each way, each step).
+        self._free = list(range(self.n_slots))
+        self._free_set = set(self._free)
         self._captures: dict[SlotId, SlotCapture] = {}
 
     # -- allocation ------------------------------------------------------------------------
     def allocate(self) -> SlotId:
         if not self._free:
             raise PoolExhaustedError(f"all {self.n_slots} slots are in use")
-        slot = SlotId(self._free.pop())
+        slot = SlotId(heapq.heappop(self._free))
+        self._free_set.discard(slot)
         self._reset_row(slot)
         return slot
 
     def free(self, slot: SlotId) -> None:
         self._check(slot)
         self._captures.pop(slot, None)
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
+        self._free_set.add(slot)
 
     def reset(self, slot: SlotId) -> None:
         """Empty a slot in use, as if just allocated."""
@@ -178,7 +186,7 @@ class SlotPool:
         return len(self._free)
 
     def in_use(self, slot: SlotId) -> bool:
-        return 0 <= slot < self.n_slots and slot not in self._free
+        return 0 <= slot < self.n_slots and slot not in self._free_set
 
     def _check(self, slot: SlotId) -> None:
         if not self.in_use(slot):

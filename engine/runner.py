@@ -191,8 +191,23 @@ class ModelRunner:
         self.cold_steps = 0
 
     def step(self, batch: Sequence[Row]) -> StepOutput:
-        """Run the batch; its state goes into the pool, its outputs come back. (A decode
-        step on tokens still on the device, queued without waiting: `launch`, `adopt`.)"""
+        """Run the batch; its state goes into the pool, its outputs come back, in the
+        batch's order. (A decode step on tokens still on the device, queued without
+        waiting: `launch`, `adopt`.) The rows run in slot order: the pool reads and writes
+        runs of consecutive slots as slices, where scattered ones are a gather and a
+        scatter of every row's state."""
+        slots = [r.slot for r in batch]
+        ordered = sorted(slots)
+        if slots == ordered or len(set(ordered)) != len(ordered):  # (a repeat: refused below)
+            return self._step(batch)
+        order = sorted(range(len(batch)), key=slots.__getitem__)
+        out = self._step([batch[i] for i in order])
+        rows: list[RowOutput] = [out.rows[0]] * len(batch)
+        for j, i in enumerate(order):
+            rows[i] = out.rows[j]
+        return StepOutput(rows)
+
+    def _step(self, batch: Sequence[Row]) -> StepOutput:
         t0 = time.perf_counter()
         slots = self._validate([r.slot for r in batch], [r.tokens for r in batch])
         for r in batch:

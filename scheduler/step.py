@@ -240,7 +240,11 @@ class Stepper:
         prefilling = self._restore(plan, result)
 
         t0 = time.perf_counter()
-        decoding = list(plan.decoding)
+        # in slot order: the pool reads and writes a batch on runs of consecutive slots as
+        # slices, and (its lowest free slot taken first) slots in use sit mostly in one run;
+        # in admission order nearly every step under churn was scattered: a gather and a
+        # scatter of every row's state each step
+        decoding = sorted(plan.decoding, key=_BY_SLOT)  # (24 us at 1,024 rows in order)
         try:
             states = _decodings(decoding)
             rows = self.speculator.plan(states)
@@ -677,6 +681,9 @@ def _decodings(seqs: list[Seq]) -> list[DecodingSlot]:
         missing = next(s.id for s in seqs if s.decoding is None)
         raise AssertionError(f"{missing} decodes without a decode state")
     return states  # (no None among them)
+
+
+_BY_SLOT = attrgetter("slot")
 
 
 def _slot(seq: Seq) -> SlotId:

@@ -388,3 +388,50 @@ def test_a_bad_ssm_write_mode_is_refused(model: Model, monkeypatch: pytest.Monke
     monkeypatch.setenv("SLOTSERVE_POOL_SSM_WRITE", "wide")
     with pytest.raises(ValueError, match="SLOTSERVE_POOL_SSM_WRITE"):
         new_runner(model)
+
+
+def test_the_lowest_free_slot_is_taken_first(model: Model) -> None:
+    """Slots in use stay packed at the bottom of the pool (a batch of them in slot order is
+    few runs of consecutive slots, which the pool reads as slices)."""
+    pool = SlotPool(model.config, 6, 16, mx.float32)
+    slots = [pool.allocate() for _ in range(5)]
+    assert slots == [0, 1, 2, 3, 4]
+    pool.free(SlotId(3))
+    pool.free(SlotId(1))
+    assert not pool.in_use(SlotId(1)) and pool.in_use(SlotId(2)) and pool.free_slots == 3
+    assert [pool.allocate() for _ in range(3)] == [1, 3, 5]
+    with pytest.raises(PoolExhaustedError):
+        pool.allocate()
+
+
+def test_a_batch_runs_in_slot_order_and_answers_in_its_own(
+    model: Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows given out of slot order run in slot order — the pool reads them as one run of
+    consecutive slots, not a gather — and come back in the order given, each the output the
+    same rows in slot order give, with the same pool state after."""
+    from engine import cache
+
+    runs: list[int] = []
+    take = cache.take_slots
+
+    def spy(a: mx.array, slots: list[SlotId], axis: int, max_runs: int) -> mx.array:
+        runs.append(len(cache._runs(slots)))
+        return take(a, slots, axis, max_runs)
+
+    monkeypatch.setattr(cache, "take_slots", spy)
+    rng = np.random.default_rng(2)
+    prompts = [[int(t) for t in rng.integers(0, 512, n)] for n in (3, 7, 5, 2)]
+    results = []
+    for order in ((0, 1, 2, 3), (2, 0, 3, 1)):
+        runner = new_runner(model, n_slots=4)
+        slots = [runner.pool.allocate() for _ in prompts]
+        runs.clear()
+        out = runner.step([Row(slots[i], prompts[i], 0) for i in order])
+        assert set(runs) == {1}  # every state kind read as one slice
+        by_slot = {slots[i]: out.rows[j] for j, i in enumerate(order)}
+        logits = [np.array(by_slot[s].logits) for s in slots]
+        results.append((logits, [runner.pool.snapshot(s) for s in slots]))
+    (a, pa), (b, pb) = results
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert all(snapshots_equal(x, y) for x, y in zip(pa, pb, strict=True))
