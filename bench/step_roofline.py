@@ -71,9 +71,13 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
     results = []
     for n in args.n:
         ctx = args.prompt + args.gen + 8
-        pool = SlotPool(cfg, n, ctx, kv_dtype=DTYPES[args.dtype])
+        pool = SlotPool(cfg, 2 * n if args.scatter else n, ctx, kv_dtype=DTYPES[args.dtype])
         runner = ModelRunner(model, pool, compile=args.compile)
-        slots = [pool.allocate() for _ in range(n)]
+        slots = [pool.allocate() for _ in range(pool.n_slots)]
+        if args.scatter:  # every other slot: N runs of one, read by a gather, written by a scatter
+            for s in slots[1::2]:
+                pool.free(s)
+            slots = slots[::2]
         prompts = [
             [int(t) for t in rng.integers(0, min(32000, cfg.n_vocab), args.prompt)] for _ in slots
         ]
@@ -136,6 +140,12 @@ def main() -> None:
         help="queue each step on the previous one's argmax (ModelRunner.launch, adopt) and "
         "read a step's tokens only after queueing the next",
     )
+    p.add_argument(
+        "--scatter",
+        action="store_true",
+        help="the N rows on every other slot of a pool of 2N (as a churning daemon's were "
+        "before session 11): the pool gathers and scatters their state each step",
+    )
     p.add_argument("--bandwidth-tbs", type=float, default=4.3, help="device memory bandwidth, TB/s")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
@@ -143,7 +153,7 @@ def main() -> None:
     dev = mx.default_device()
     print(
         f"\n{args.preset} {args.quant} compute={args.dtype} compile={args.compile} "
-        f"overlap={args.overlap} device={dev}"
+        f"overlap={args.overlap} scatter={args.scatter} device={dev}"
     )
     print(
         "| N | tok/s | step ms | host ms | host % | prefill tok/s | roofline tok/s | % roofline |"
