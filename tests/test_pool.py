@@ -133,8 +133,9 @@ def test_a_device_copy_has_buffers_of_its_own_and_keeps_the_slot_as_it_was(
 ) -> None:
     """`copy` queues copies and waits for nothing; what it copied is the slot at the time,
     whatever the pool does next. Its buffers are its own: MLX's own copy of a contiguous
-    view (`mx.contiguous`) shares the pool's buffer, which would keep every later write
-    into the pool from reusing it."""
+    view (`mx.contiguous`) may share the pool's buffer, which would keep every later write
+    into the pool from reusing it. (Whether it shares is MLX's call: an assertion that it
+    did held alone and failed once in a full clean-clone run, session 11.)"""
     runner, a = prefilled(model)
     pool = runner.pool
     before = pool.snapshot(a)
@@ -145,8 +146,6 @@ def test_a_device_copy_has_buffers_of_its_own_and_keeps_the_slot_as_it_was(
     ]
     for part in copy.parts:
         assert not any(np.shares_memory(np.asarray(part), np.asarray(w)) for w in wholes)
-    contiguous_view = pool.ssm[:1]
-    assert np.shares_memory(np.asarray(mx.contiguous(contiguous_view)), np.asarray(pool.ssm))
     decode(runner, a, 9, 3)  # the slot moves on
     after = copy.to_host()
     assert snapshots_equal(after, before) and after.nbytes == before.nbytes == copy.nbytes
