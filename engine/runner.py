@@ -280,9 +280,8 @@ class ModelRunner:
         them for good (the least-recently-used cap does not evict them): on a GPU a shape
         compiled at its first step stalls that step (and every row in it) for tens of ms, and
         a pool of 64 slots and 4,096 positions meets 11 widths x 11 past buckets as its
-        contexts grow. Each runs once on the pool's state as it is, read only — nothing is
-        written (the same forward `launch` and `step` key a decode step by). Returns the
-        number compiled now; 0 for an eager runner."""
+        contexts grow. Each runs once as `launch` runs it, on the pool's state as it is, read
+        only — nothing is written. Returns the number compiled now; 0 for an eager runner."""
         if not self.compile:
             return 0
         widths = sorted({self.padded_width(n) for n in range(1, self.pool.n_slots + 1)})
@@ -291,19 +290,14 @@ class ModelRunner:
         made = 0
         for width in widths:
             slots = [SlotId(s) for s in range(width)]
+            tokens = mx.zeros((width,), dtype=mx.int32)
             for past in pasts:
                 start = min(past, context - 1)  # a start whose bucket is `past`
-                layout = Layout.build([1] * width, [start] * width, [False] * width)
-                key = shape_key(layout, width, past, ())
+                key, (logits, _, new, _, _) = self._decode_forward(slots, [start] * width, tokens)
                 if key in self._pinned:
                     continue
-                fn = self._compiled.pop(key, None) or mx.compile(self._forward_fn_body(layout, ()))
-                tokens = mx.zeros((width,), dtype=mx.int32)
-                logits, _, new, _, _ = fn(
-                    [tokens, layout.pack_index, *layout.arrays()], self.pool.read(slots, past)
-                )
                 mx.eval(logits, new)
-                self._pinned[key] = fn
+                self._pinned[key] = self._compiled.pop(key)  # (compiled at once: it recurs)
                 made += 1
         return made
 
@@ -324,23 +318,33 @@ class ModelRunner:
             raise BatchError(f"tokens of shape {tokens.shape} for {n} decode rows")
         self.pool.check_rows(slots, starts, [1] * n, [False] * n)
         pads = self._pad_slots(slots, self.padded_width(n))
-        width = n + len(pads)
-        layout = Layout.build([1] * width, starts + starts[:1] * len(pads), [False] * width)
-        past = self.past_for(max(starts))
-        fn = self._forward_fn(shape_key(layout, width, past, ()), layout, ())
         fed = tokens.astype(mx.int32)
         if pads:  # rows on other slots, read and never written; their outputs dropped
             fed = mx.pad(fed, [(0, len(pads))])
-        # every row's one output: the rows' packed indices, 0 .. width-1 (the layout's kept
-        # array: no arange node, no fresh buffer a step)
-        inputs = [fed, layout.pack_index, *layout.arrays()]
-        logits, hidden, new, _, _ = fn(inputs, self.pool.read(slots + pads, past))
+        _, (logits, hidden, new, _, _) = self._decode_forward(
+            slots + pads, starts + starts[:1] * len(pads), fed
+        )
         if pads:
             logits, hidden, new, _ = _real_rows((n, n, n), logits, hidden, new, [])
         self.last_host_s, self.last_tokens = time.perf_counter() - t0, n
         kept = hidden if want_hidden else None
         mx.async_eval(logits, new, *([] if kept is None else [kept]))
         return PendingStep(slots, starts, logits, new, kept)
+
+    def _decode_forward(
+        self, slots: list[SlotId], starts: list[int], tokens: mx.array
+    ) -> tuple[tuple[object, ...], Any]:
+        """One token a row on `slots` at `starts` (padding rows included), through the
+        forward kept for that decode shape, reading the pool: its key and its outputs (lazy).
+        Each row's one output is its packed index, 0 .. width-1: the layout's kept array,
+        no `arange` node or fresh buffer a step."""
+        width = len(slots)
+        layout = Layout.build([1] * width, starts, [False] * width)
+        past = self.past_for(max(starts))
+        key = shape_key(layout, width, past, ())
+        fn = self._forward_fn(key, layout, ())
+        inputs = [tokens, layout.pack_index, *layout.arrays()]
+        return key, fn(inputs, self.pool.read(slots, past))
 
     def adopt(self, pending: PendingStep, keep: Sequence[int]) -> StepOutput:
         """Write the rows `keep` (indices into `pending`'s, in the order wanted) of a
@@ -435,16 +439,6 @@ class ModelRunner:
     def _forward_fn(
         self, key: tuple[object, ...], layout: Layout, taps: tuple[int, ...]
     ) -> Callable[..., Any]:
-        """The trunk's forward for this batch shape, kept (`_kept_or`)."""
-        forward = self._forward_fn_body(layout, taps)
-        # Compiled at once, a decode or verify shape skips an eager first step (on a GPU
-        # tens of ms, one per width and past bucket); a ragged prefill waits for its shape to
-        # come back.
-        recurs = layout.uniform and self.recurs(layout.width, layout.width)
-        return self._kept_or(key, forward, at_once=recurs)
-
-    def _forward_fn_body(self, layout: Layout, taps: tuple[int, ...]) -> Callable[..., Any]:
-        """The trunk's forward over a batch of `layout`'s shape (not compiled)."""
         model, config = self.model, self.model.config
 
         def forward(
@@ -460,7 +454,11 @@ class ModelRunner:
             t = [] if tapped is None else [tapped[picked]]  # a list: compiled graphs return no None
             return model.logits(h).astype(mx.float32), h, new, flat, t
 
-        return forward
+        # Compiled at once, a decode or verify shape skips an eager first step (on a GPU
+        # tens of ms, one per width and past bucket); a ragged prefill waits for its shape to
+        # come back.
+        recurs = layout.uniform and self.recurs(layout.width, layout.width)
+        return self._kept_or(key, forward, at_once=recurs)
 
     def _draft_fn(self, key: tuple[object, ...], layout: Layout) -> Callable[..., Any]:
         """The MTP head's forward for one batch shape, compiled like the trunk's."""
