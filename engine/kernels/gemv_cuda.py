@@ -361,12 +361,7 @@ def dense_mode() -> str:
     one launch; "rows" those of 2 to `MAX_ROWS` rows, where MLX goes to cuBLASLt, whose
     split-K products are two launches (a 0.8B-shaped bf16 step at N = 8 launched 24
     split-K reductions beside its 48 products: session 11); "1" every one that fits."""
-    if not enabled():
-        return "0"
-    mode = os.environ.get(DENSE_ENV, "0")
-    if mode not in DENSE_MODES:
-        raise ValueError(f"{DENSE_ENV}={mode!r}: one of {', '.join(DENSE_MODES)}")
-    return mode
+    return _env_choice(DENSE_ENV, DENSE_MODES) if enabled() else "0"
 
 
 def dense_takes(x: mx.array, w: Weight) -> bool:
@@ -451,9 +446,7 @@ def staged_mode() -> str:
     on the unstaged prologue and quantized products on their own kernel (the 9B's one-row
     q8_0 products were 12% slower staged); "1" every product whose rows fit the stage;
     "0" none."""
-    mode = os.environ.get(STAGED_ENV, "rows")
-    if mode not in STAGED_MODES:
-        raise ValueError(f"{STAGED_ENV}={mode!r}: one of {', '.join(STAGED_MODES)}")
+    mode = _env_choice(STAGED_ENV, STAGED_MODES, "rows")
     return mode if prologue_enabled() else "0"
 
 
@@ -517,12 +510,19 @@ def staged_split(n_out: int, outs: int) -> int:
     leaves fewer blocks than the GPU has multiprocessors — the 0.8B's 1024-output down
     projection at 8 rows made 32 blocks and read its 7.3 MB at ~0.2 TB/s (34 µs a launch,
     session 11 timeline), where 4 warps a group make 128. For measuring, not measured yet."""
-    mode = os.environ.get(STAGED_SPLIT_ENV, "1")
+    mode = _env_choice(STAGED_SPLIT_ENV, ("1", "2", "4", "8", "auto"))
     if mode == "auto":
         return 4 if -(-n_out // (outs * STAGED_GROUPS)) < SMS else 1
-    if mode not in ("1", "2", "4", "8"):
-        raise ValueError(f"{STAGED_SPLIT_ENV}={mode!r}: one of 1, 2, 4, 8, auto")
     return int(mode)
+
+
+def _env_choice(name: str, choices: tuple[str, ...], default: str | None = None) -> str:
+    """The environment variable `name`, one of `choices` (unset: `default`, else the first);
+    anything else raises, naming the variable."""
+    value = os.environ.get(name, choices[0] if default is None else default)
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: one of {', '.join(choices)}")
+    return value
 
 
 def split_for(rows: int, n_out: int, outs: int) -> int:
