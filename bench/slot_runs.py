@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import harness  # noqa: F401  (puts the repository root on sys.path)
 import mlx.core as mx
 
 from engine import cache
