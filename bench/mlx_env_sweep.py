@@ -72,6 +72,10 @@ def main() -> None:
                 *env.get("ARGS", "").split(),
             ]
             environ = os.environ | {k: v for k, v in env.items() if k != "ARGS"}
+            # the engine importable whatever PYTHONPATH the caller set (say, only /tmp/site)
+            environ["PYTHONPATH"] = os.pathsep.join(
+                filter(None, [str(ROOT), environ.get("PYTHONPATH")])
+            )
             done = subprocess.run(cmd, env=environ, capture_output=True, text=True)
             if done.returncode != 0:
                 print(f"{name}: failed ({done.returncode})\n{done.stderr[-2000:]}", file=sys.stderr)
@@ -80,14 +84,19 @@ def main() -> None:
         record[name] = {"env": env, "results": results}
         for r in results:
             rows.append((name, r["n"], r["tok_s"], r["step_ms"], r["host_ms"], r["roofline_frac"]))
-        print(f"{name}: done", file=sys.stderr, flush=True)
+            # each row as it comes, and the JSON so far: a run cut short keeps what it measured
+            print(f"{name}: " + _row(*rows[-1]), file=sys.stderr, flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(record, indent=1))
     print(f"\n{args.preset} {args.quant} compute={args.dtype}")
     print("| setting | N | tok/s | step ms | host ms | % roofline |")
     print("|---|---|---|---|---|---|")
-    for name, n, tok_s, step_ms, host_ms, frac in rows:
-        print(f"| {name} | {n} | {tok_s:.0f} | {step_ms:.2f} | {host_ms:.2f} | {100 * frac:.0f}% |")
-    if args.json:
-        Path(args.json).write_text(json.dumps(record, indent=1))
+    for row in rows:
+        print(_row(*row))
+
+
+def _row(name: str, n: int, tok_s: float, step_ms: float, host_ms: float, frac: float) -> str:
+    return f"| {name} | {n} | {tok_s:.0f} | {step_ms:.2f} | {host_ms:.2f} | {100 * frac:.0f}% |"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# On the GPU machine, once MLX is installed (source .gpu_b/install-mlx-cuda.sh): with .gpu_w/
+# carried, the extra wheels into /tmp/site; with .gpu_llama/ carried, llama.cpp's
+# llama-batched-bench built for sm_90 in the background (setsid: it outlives the call; ~6
+# minutes; /tmp/llama/rc holds its exit status when done); and the benchmark models written
+# to /tmp/models (once). Each part is skipped when its folder is absent or it is done.
+# Usage: source bench/lease/setup.sh
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+for w in .gpu_w/wheels/*.whl; do [ -f "$w" ] && python3 -m zipfile -e "$w" /tmp/site; done
+if [ -f .gpu_llama/llama.tgz ] && [ ! -d /tmp/llama/llama.cpp ]; then
+  mkdir -p /tmp/llama && tar -xzf .gpu_llama/llama.tgz -C /tmp/llama
+  export PATH=/usr/local/cuda/bin:$PATH
+  (cd /tmp/llama/llama.cpp && setsid nohup bash -c '
+    cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_BUILD_TYPE=Release \
+      -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF > /tmp/llama/cmake.log 2>&1 &&
+    cmake --build build --target llama-batched-bench -j10 > /tmp/llama/build.log 2>&1
+    echo $? > /tmp/llama/rc' > /dev/null 2>&1 < /dev/null &)
+fi
+mkdir -p /tmp/models
+python3 - <<'PY'
+import dataclasses, time
+from pathlib import Path
+from engine.writer import preset, write_model
+for name, quant in (("qwen3.5-0.8b", "f16"), ("qwen3.5-9b", "q8_0")):
+    path = Path(f"/tmp/models/{name}-{quant}.gguf")
+    if not path.exists():
+        t = time.perf_counter()
+        write_model(path, dataclasses.replace(preset(name), quant=quant))
+        print(f"wrote {path} in {time.perf_counter() - t:.0f} s")
+PY

@@ -1,0 +1,67 @@
+"""How long the daemon's `precompile` takes: `ModelRunner.precompile_decode` on a pool of
+`--slots` x `--context`, which compiles and pins the decode forward of every padded batch
+width x past bucket before any request is served. Prints the shapes compiled, the seconds,
+and a decode step's time before and after (a compiled step at the widest shape).
+
+    python bench/precompile_time.py --model MODEL.gguf --slots 64 --context 4096 [--dtype bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import harness  # noqa: F401  (puts the repository root on sys.path)
+import mlx.core as mx
+
+from engine.cache import SlotPool
+from engine.models.qwen35 import load_model
+from engine.runner import ModelRunner
+
+DTYPES = {"bf16": mx.bfloat16, "f16": mx.float16, "f32": mx.float32}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--slots", type=int, default=64)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    p.add_argument("--json")
+    args = p.parse_args()
+    t = time.perf_counter()
+    model = load_model(args.model, DTYPES[args.dtype])
+    load_s = time.perf_counter() - t
+    pool = SlotPool(model.config, args.slots, args.context, kv_dtype=DTYPES[args.dtype])
+    runner = ModelRunner(model, pool, compile=True)
+    slots = [pool.allocate() for _ in range(args.slots)]
+    t = time.perf_counter()
+    made = runner.precompile_decode()
+    took = time.perf_counter() - t
+    # one decode step at the widest width afterwards: it should meet a compiled shape
+    cold = runner.cold_steps
+    t = time.perf_counter()
+    pending = runner.launch(slots, mx.zeros((len(slots),), dtype=mx.int32))
+    mx.eval(pending.logits)
+    step_s = time.perf_counter() - t
+    r = {
+        "model": args.model,
+        "slots": args.slots,
+        "context": args.context,
+        "device": str(mx.default_device()),
+        "load_s": load_s,
+        "shapes": made,
+        "precompile_s": took,
+        "per_shape_ms": 1e3 * took / max(made, 1),
+        "first_step_after_ms": 1e3 * step_s,
+        "cold_forwards_after": runner.cold_steps - cold,
+    }
+    print(json.dumps(r, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
