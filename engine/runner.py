@@ -279,7 +279,7 @@ class ModelRunner:
         `padded_width`) and every past bucket (`past_for`) this pool can meet, and keep
         them for good (the least-recently-used cap does not evict them): on a GPU a shape
         compiled at its first step stalls that step (and every row in it) for tens of ms, and
-        a pool of 64 slots and 4,096 positions meets 11 widths x 11 past buckets as its
+        a pool of 64 slots and 4,096 positions meets 12 widths x 11 past buckets as its
         contexts grow. Each runs once as `launch` runs it, on the pool's state as it is, read
         only — nothing is written. Returns the number compiled now; 0 for an eager runner."""
         if not self.compile:
