@@ -141,6 +141,7 @@ class PendingStep:
     logits: mx.array
     new: list[mx.array]
     hidden: mx.array | None = None
+    positions: mx.array | None = None  # [N] int32: the rows' starts, as the step read them
 
 
 class ModelRunner:
@@ -183,6 +184,7 @@ class ModelRunner:
         # compiled yet costs tens of ms and a few more rows almost nothing).
         self.pad_widths = uniform_shapes(self)
         self.ssm_layers_from = ssm_layers_from()
+        self.inputs = StepInputs(step_inputs_on_device())
         self.last_host_s = 0.0
         self.last_tokens = 0  # tokens of the last step, all rows together
         # Steps (and drafts) of a compiled runner that ran a batch shape not compiled yet —
@@ -222,7 +224,7 @@ class ModelRunner:
         taps = self._taps(batch)
 
         past = self.past_for(max(starts))
-        tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, lengths)
+        decode = max(lengths) == 1  # a token a row: its positions are its rows' starts
         offsets = itertools.accumulate(lengths, initial=0)
         picked = [o + i for o, r in zip(offsets, batch, strict=False) for i in r.wanted]
         tokens = [int(t) for r in batch for t in r.tokens]
@@ -235,18 +237,28 @@ class ModelRunner:
             picked += [real[1] + j * lengths[0] + i for j in range(len(pads)) for i in first.wanted]
             tokens += [int(t) for t in first.tokens] * len(pads)
         extra = len(pads)
+        all_starts = starts + starts[:1] * extra
+        row_starts = self.inputs.starts(slots + pads, all_starts) if decode else None
         layout = Layout.build(
             lengths + lengths[:1] * extra,
-            starts + starts[:1] * extra,
+            all_starts,
             capture + capture[:1] * extra,
+            row_starts,
         )
-        inputs = [mx.array(tokens, dtype=mx.int32), mx.array(picked, dtype=mx.int32)]
+        if decode:
+            tok_slot = self.inputs.kept(slots)
+            tok_pos = layout.row_starts[: len(slots)] if pads else layout.row_starts
+        else:
+            tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, lengths)
+        inputs = [mx.array(tokens, dtype=mx.int32), self.inputs.kept(picked)]
         fn = self._forward_fn(shape_key(layout, len(picked), past, taps), layout, taps)
         # The pool is read and written outside the compiled graph: eager scatters update
         # it in place, while a compiled graph would copy every state array each step.
-        logits, hidden, new, captures, tapped_list = fn(
+        logits, hidden, new, captures, tapped_list, after = fn(
             [*inputs, *layout.arrays()], self.pool.read(slots + pads, past)
         )
+        if decode:
+            self.inputs.ran(slots + pads, all_starts, after)
         if pads:
             logits, hidden, new, tapped_list = _real_rows(real, logits, hidden, new, tapped_list)
         self.last_host_s = time.perf_counter() - t0  # building inputs and the graph
@@ -293,7 +305,9 @@ class ModelRunner:
             tokens = mx.zeros((width,), dtype=mx.int32)
             for past in pasts:
                 start = min(past, context - 1)  # a start whose bucket is `past`
-                key, (logits, _, new, _, _) = self._decode_forward(slots, [start] * width, tokens)
+                key, (logits, _, new, _, _, _) = self._decode_forward(
+                    slots, [start] * width, tokens
+                )
                 if key in self._pinned:
                     continue
                 mx.eval(logits, new)
@@ -321,25 +335,36 @@ class ModelRunner:
         fed = tokens.astype(mx.int32)
         if pads:  # rows on other slots, read and never written; their outputs dropped
             fed = mx.pad(fed, [(0, len(pads))])
-        _, (logits, hidden, new, _, _) = self._decode_forward(
-            slots + pads, starts + starts[:1] * len(pads), fed
+        all_slots, all_starts = slots + pads, starts + starts[:1] * len(pads)
+        row_starts = self.inputs.starts(all_slots, all_starts)
+        if row_starts is None:
+            row_starts = mx.array(all_starts, dtype=mx.int32)
+        _, (logits, hidden, new, _, _, after) = self._decode_forward(
+            all_slots, all_starts, fed, row_starts
         )
+        self.inputs.ran(all_slots, all_starts, after)
         if pads:
             logits, hidden, new, _ = _real_rows((n, n, n), logits, hidden, new, [])
         self.last_host_s, self.last_tokens = time.perf_counter() - t0, n
         kept = hidden if want_hidden else None
         mx.async_eval(logits, new, *([] if kept is None else [kept]))
-        return PendingStep(slots, starts, logits, new, kept)
+        positions = row_starts[:n] if pads else row_starts  # its tokens' positions: their starts
+        return PendingStep(slots, starts, logits, new, kept, positions)
 
     def _decode_forward(
-        self, slots: list[SlotId], starts: list[int], tokens: mx.array
+        self,
+        slots: list[SlotId],
+        starts: list[int],
+        tokens: mx.array,
+        row_starts: mx.array | None = None,
     ) -> tuple[tuple[object, ...], Any]:
-        """One token a row on `slots` at `starts` (padding rows included), through the
-        forward kept for that decode shape, reading the pool: its key and its outputs (lazy).
-        Each row's one output is its packed index, 0 .. width-1: the layout's kept array,
-        no `arange` node or fresh buffer a step."""
+        """One token a row on `slots` at `starts` (padding rows included; `row_starts`: the
+        same as an array, if made already), through the forward kept for that decode shape,
+        reading the pool: its key and its outputs (lazy). Each row's one output is its
+        packed index, 0 .. width-1: the layout's kept array, no `arange` node or fresh
+        buffer a step."""
         width = len(slots)
-        layout = Layout.build([1] * width, starts, [False] * width)
+        layout = Layout.build([1] * width, starts, [False] * width, row_starts)
         past = self.past_for(max(starts))
         key = shape_key(layout, width, past, ())
         fn = self._forward_fn(key, layout, ())
@@ -362,13 +387,16 @@ class ModelRunner:
             )
         self.pool.check_rows(slots, starts, [1] * len(slots), [False] * len(slots))
         new, logits, hidden = pending.new, pending.logits, pending.hidden
+        ones = [1] * len(slots)
         if list(keep) != list(range(len(pending.slots))):  # rows are tokens: one index serves
             at = mx.array(list(keep), dtype=mx.int32)
             new = [a[:, at] for a in new]
             logits = logits[at]
             hidden = None if hidden is None else hidden[at]
-        ones = [1] * len(slots)
-        tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, ones)
+        if list(keep) != list(range(len(pending.slots))) or pending.positions is None:
+            tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, ones)
+        else:  # the launch's arrays: nothing written by the host for the pool's scatter
+            tok_slot, tok_pos = self.inputs.kept(slots), pending.positions
         self._store(slots, starts, ones, tok_slot, tok_pos, new, [None] * len(self.model.layers))
         return StepOutput([RowOutput(packed=(logits, hidden, i, 1)) for i in range(len(slots))])
 
@@ -443,7 +471,7 @@ class ModelRunner:
 
         def forward(
             inputs: list[mx.array], stacked: list[mx.array]
-        ) -> tuple[mx.array, mx.array, list[mx.array], list[mx.array], list[mx.array]]:
+        ) -> tuple[mx.array, mx.array, list[mx.array], list[mx.array], list[mx.array], mx.array]:
             tokens, picked, *layout_arrays = inputs
             lay = layout.with_arrays(layout_arrays)
             states = SlotPool.split_states(config, stacked)
@@ -452,7 +480,10 @@ class ModelRunner:
             flat = [a for c in captures if c is not None for a in (c.windows, c.states)]
             new = SlotPool.stack_states(lay, new_states, self.ssm_layers(layout.rows))
             t = [] if tapped is None else [tapped[picked]]  # a list: compiled graphs return no None
-            return model.logits(h).astype(mx.float32), h, new, flat, t
+            # each row's start once all its tokens are in: the next decode step's starts,
+            # made on the device in this graph (`StepInputs`)
+            after = lay.row_starts + lay.row_lengths
+            return model.logits(h).astype(mx.float32), h, new, flat, t, after
 
         # Compiled at once, a decode or verify shape skips an eager first step (on a GPU
         # tens of ms, one per width and past bucket); a ragged prefill waits for its shape to
@@ -679,6 +710,7 @@ def last_logits(outputs: Sequence[RowOutput]) -> mx.array:
 
 
 SSM_WRITE_ENV = "SLOTSERVE_POOL_SSM_WRITE"
+STEP_INPUTS_ENV = "SLOTSERVE_STEP_INPUTS"
 
 
 def ssm_layers_from() -> int | None:
@@ -687,8 +719,8 @@ def ssm_layers_from() -> int | None:
     one stack and one write, two launches), "layers" (always: a write per linear layer, no
     stacked copy) or a row count. The stacked copy moves every row's state once more on the
     device — at 64 rows of the 0.8B, 1.2 GB read and written a step — while a write per
-    layer costs 16 more launches, which bound a narrow step's time. For measuring: not yet
-    run on a GPU."""
+    layer costs 16 more launches, which bound a narrow step's time. For measuring: its test
+    passes on the H200 (session 12); its speed there is not measured yet."""
     mode = os.environ.get(SSM_WRITE_ENV, "stacked")
     if mode == "stacked":
         return None
@@ -697,6 +729,72 @@ def ssm_layers_from() -> int | None:
     if not mode.isdigit() or int(mode) < 1:
         raise ValueError(f"{SSM_WRITE_ENV}={mode!r}: stacked, layers or a row count >= 1")
     return int(mode)
+
+
+def step_inputs_on_device() -> bool:
+    """Whether decode steps take their starts from the step before, on the device
+    (`StepInputs`; SLOTSERVE_STEP_INPUTS, read when a runner is made): "host" (the default:
+    every step's starts written by the host) or "device". For measuring on a GPU first."""
+    mode = os.environ.get(STEP_INPUTS_ENV, "host")
+    if mode not in ("host", "device"):
+        raise ValueError(f"{STEP_INPUTS_ENV}={mode!r}: host or device")
+    return mode == "device"
+
+
+class StepInputs:
+    """The small integer arrays a decode step reads besides its tokens — its rows' starts
+    (rope offsets, masks, and the positions the pool's scatter writes K/V at), its rows'
+    slots, its picked outputs — made so that a steady decode loop's kernels need not read
+    memory the host has just written.
+
+    On MLX's CUDA backend every array is managed memory, and a kernel reading an array the
+    host wrote a moment before sometimes waits for its pages: on the H200 a gather with
+    host-written indices took 69-276 us more at its 90th percentile than with kept ones
+    (`bench/input_faults.py`, docs/PERFORMANCE.md, session 12). So every step's forward also
+    returns its rows' starts after it (`after`: starts + lengths, computed in its compiled
+    graph), and with `device` on a step on the same slots whose starts are exactly those
+    takes that array as its starts: no host write, no extra launch. Any other step makes its
+    starts from the host, as all do with `device` off. The values are the same either way
+    (the pool has checked every start against the slot's length); only where they were made
+    differs. Slot and output-index arrays are kept per tuple of values (the most recent
+    `KEPT`), like a layout's length-derived arrays."""
+
+    KEPT = 64
+
+    def __init__(self, device: bool) -> None:
+        self.device = device
+        self._after: tuple[tuple[int, ...], tuple[int, ...], mx.array] | None = None
+        self._kept: OrderedDict[tuple[int, ...], mx.array] = OrderedDict()
+        self.derived = 0  # steps whose starts came from the step before (tests, benches)
+
+    def starts(self, slots: Sequence[int], starts: Sequence[int]) -> mx.array | None:
+        """The starts of a step of one token a row: the last step's `after` if it was on
+        these slots and ended at these starts; else None (the layout makes them)."""
+        after = self._after
+        if after is not None and after[0] == tuple(slots) and after[1] == tuple(starts):
+            self.derived += 1
+            return after[2]
+        return None
+
+    def ran(self, slots: Sequence[int], starts: Sequence[int], after: mx.array) -> None:
+        """A step of one token a row on `slots` at `starts` was built; `after` (lazy) holds
+        its rows' next starts."""
+        if self.device:
+            self._after = (tuple(slots), tuple(s + 1 for s in starts), after)
+
+    def kept(self, values: Sequence[int]) -> mx.array:
+        """An int32 array of `values`, made once while recent (with `device` on)."""
+        key = tuple(values)
+        if not self.device:
+            return mx.array(key, dtype=mx.int32)
+        arr = self._kept.get(key)
+        if arr is None:
+            arr = self._kept[key] = mx.array(key, dtype=mx.int32)
+            if len(self._kept) > self.KEPT:
+                self._kept.popitem(last=False)
+        else:
+            self._kept.move_to_end(key)
+        return arr
 
 
 def uniform_shapes(runner: ModelRunner) -> bool:

@@ -39,7 +39,10 @@ class Layout:
         lengths: list[int] | tuple[int, ...],
         starts: list[int] | tuple[int, ...],
         capture: list[bool] | tuple[bool, ...] | None = None,
+        row_starts: mx.array | None = None,
     ) -> Layout:
+        """The layout of rows of `lengths` tokens at `starts`; `row_starts`: the starts as an
+        array already made (say, on the device from the step before), else one is made."""
         capture = tuple(capture) if capture is not None else (False,) * len(lengths)
         if not lengths or min(lengths) < 1 or not len(lengths) == len(starts) == len(capture):
             raise ValueError(f"bad batch layout: lengths={lengths} starts={starts}")
@@ -53,7 +56,7 @@ class Layout:
             pad_index=pad_index,
             pack_index=pack_index,
             valid=valid,
-            row_starts=mx.array(list(starts), dtype=mx.int32),
+            row_starts=mx.array(list(starts), dtype=mx.int32) if row_starts is None else row_starts,
             row_lengths=row_lengths,
         )
 

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The next lease's calls, written before it starts (bench/lease/README.md): on the GPU
+# machine, `bash bench/lease/calls.sh cN`, each call's output under $OUT (one file per step,
+# each step under its own timeout, so a call cut short keeps what it measured).
+#   c1  carry .gpu_a                 MLX part 1 to /tmp/keep
+#   c2  carry .gpu_b .gpu_w          MLX, wheels, models; the GPU tests of unrun changes
+#   c3  carry .gpu_llama             llama.cpp's build (background); kernel timelines
+#   c4  -                            A/B: step inputs on the device vs host, N = 1, 8, 64
+#   c5  -                            A/B: per-layer recurrent-state writes, N = 64
+#   c6  -                            the suite, 0.8B and 9B, beside llama.cpp and mlx-lm
+# About 1,650 s of device time in all.
+set -u
+M=/tmp/models
+L=/tmp/llama/llama.cpp/build/bin/llama-batched-bench
+export PYTHONPATH=/tmp/site:$PWD
+sweep() {  # name timeout args...: bench/mlx_env_sweep.py into $OUT/name.{md,json}
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 bench/mlx_env_sweep.py --model-dir $M --gen 32 --json "$OUT/$name.json" "$@" \
+    > "$OUT/$name.md" 2>&1
+  tail -n 12 "$OUT/$name.md"
+}
+case ${1:-} in
+c1)
+  mkdir -p /tmp/keep && cp -r .gpu_a/. /tmp/keep/ && ls /tmp/keep ;;
+c2)
+  source .gpu_b/install-mlx-cuda.sh
+  T=$(date +%s); source bench/lease/setup.sh > "$OUT/c2_setup.txt" 2>&1
+  echo "setup $(( $(date +%s) - T )) s"; ls -la $M
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_step_inputs.py \
+    > "$OUT/c2_tests.txt" 2>&1; tail -n 3 "$OUT/c2_tests.txt" ;;
+c3)
+  source bench/lease/setup.sh > "$OUT/c3_setup.txt" 2>&1
+  for mode in host device; do
+    SLOTSERVE_STEP_INPUTS=$mode timeout 100 python3 bench/gpu_timeline.py --model-dir $M --n 8,64 \
+      --steps 16 --json "$OUT/c3_timeline_$mode.json" --trace-dir /tmp/tr_$mode > "$OUT/c3_timeline_$mode.md" 2>&1
+    head -n 40 "$OUT/c3_timeline_$mode.md"
+  done
+  cat /tmp/llama/rc 2>/dev/null; tail -n 1 /tmp/llama/build.log ;;
+c4)
+  cat /tmp/llama/rc 2>/dev/null
+  sweep c4_inputs 560 --n 1,8,64 --setting host:ARGS=--overlap \
+    --setting device:SLOTSERVE_STEP_INPUTS=device,ARGS=--overlap --setting host_b:ARGS=--overlap \
+    --setting device_b:SLOTSERVE_STEP_INPUTS=device,ARGS=--overlap ;;
+c5)
+  sweep c5_ssm 250 --n 64 --setting stacked:ARGS=--overlap \
+    --setting layers:SLOTSERVE_POOL_SSM_WRITE=layers,ARGS=--overlap --setting stacked_b:ARGS=--overlap \
+    --setting layers_b:SLOTSERVE_POOL_SSM_WRITE=layers,ARGS=--overlap ;;
+c6)
+  cat /tmp/llama/rc; mkdir -p "$OUT/suite"
+  OUT=$OUT/suite timeout 570 python3 bench/gpu_suite.py --model-dir $M --llama-batched-bench $L \
+    --wheels .gpu_w/wheels --budget-s 400 --big-needs-s 150 --reps 1 --steps 32 --ahead \
+    > "$OUT/c6_suite.log" 2>&1
+  tail -n 30 "$OUT/suite/gpu_suite.md" ;;
+*)
+  echo "usage: bash bench/lease/calls.sh c1|c2|c3|c4|c5|c6" >&2; exit 2 ;;
+esac
