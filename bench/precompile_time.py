@@ -1,9 +1,11 @@
 """How long the daemon's `precompile` takes: `ModelRunner.precompile_decode` on a pool of
 `--slots` x `--context`, which compiles and pins the decode forward of every padded batch
 width x past bucket before any request is served. Prints the shapes compiled, the seconds,
-and a decode step's time before and after (a compiled step at the widest shape).
+and the first decode step's time after it (at the widest shape; it should compile nothing).
+`--verify K` also times `ModelRunner.precompile_verify` for draft depths 1..K (the daemon's
+`precompile = "all"`), on a pool with room for K drafts.
 
-    python bench/precompile_time.py --model MODEL.gguf --slots 64 --context 4096 [--dtype bf16]
+    python bench/precompile_time.py --model MODEL.gguf --slots 64 --context 4096 [--verify 4]
 """
 
 from __future__ import annotations
@@ -28,17 +30,23 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=64)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    p.add_argument("--verify", type=int, default=0, help="also verify shapes of 1..K drafts")
     p.add_argument("--json")
     args = p.parse_args()
     t = time.perf_counter()
     model = load_model(args.model, DTYPES[args.dtype])
     load_s = time.perf_counter() - t
-    pool = SlotPool(model.config, args.slots, args.context, kv_dtype=DTYPES[args.dtype])
+    pool = SlotPool(
+        model.config, args.slots, args.context, kv_dtype=DTYPES[args.dtype], max_draft=args.verify
+    )
     runner = ModelRunner(model, pool, compile=True)
     slots = [pool.allocate() for _ in range(args.slots)]
     t = time.perf_counter()
     made = runner.precompile_decode()
     took = time.perf_counter() - t
+    t = time.perf_counter()
+    verify = runner.precompile_verify(range(1, args.verify + 1)) if args.verify else 0
+    verify_s = time.perf_counter() - t
     # one decode step at the widest width afterwards: it should meet a compiled shape
     cold = runner.cold_steps
     t = time.perf_counter()
@@ -54,6 +62,10 @@ def main() -> None:
         "shapes": made,
         "precompile_s": took,
         "per_shape_ms": 1e3 * took / max(made, 1),
+        "verify_depths": args.verify,
+        "verify_shapes": verify,
+        "verify_s": verify_s,
+        "per_verify_shape_ms": 1e3 * verify_s / max(verify, 1),
         "first_step_after_ms": 1e3 * step_s,
         "cold_forwards_after": runner.cold_steps - cold,
     }

@@ -294,26 +294,55 @@ class ModelRunner:
         a pool of 64 slots and 4,096 positions meets 12 widths x 11 past buckets as its
         contexts grow. Each runs once as `launch` runs it, on the pool's state as it is, read
         only — nothing is written. Returns the number compiled now; 0 for an eager runner."""
-        if not self.compile:
-            return 0
-        widths = sorted({self.padded_width(n) for n in range(1, self.pool.n_slots + 1)})
-        context = self.pool.max_context
-        pasts = sorted({self.past_for(start) for start in range(context)})
         made = 0
-        for width in widths:
+        for width, _past, start in self._precompile_grid(1):
             slots = [SlotId(s) for s in range(width)]
             tokens = mx.zeros((width,), dtype=mx.int32)
-            for past in pasts:
-                start = min(past, context - 1)  # a start whose bucket is `past`
-                key, (logits, _, new, _, _, _) = self._decode_forward(
-                    slots, [start] * width, tokens
-                )
-                if key in self._pinned:
-                    continue
-                mx.eval(logits, new)
-                self._pinned[key] = self._compiled.pop(key)  # (compiled at once: it recurs)
-                made += 1
+            key, (logits, _, new, _, _, _) = self._decode_forward(slots, [start] * width, tokens)
+            made += self._pin(key, logits, new)
         return made
+
+    def precompile_verify(self, depths: Sequence[int], taps: tuple[int, ...] = ()) -> int:
+        """`precompile_decode` for speculative verify steps: every padded width x past bucket
+        for rows of `depth` drafts + 1 tokens with capture, each depth of `depths` (a verify
+        step's rows are padded to its deepest draft: `Speculator.uniform_verify`), returning
+        the trunk layers `taps` (a drafter that follows them). 4 depths of a 64-slot, 4,096
+        position pool are 528 shapes. Read only; 0 for an eager runner."""
+        made = 0
+        for depth in depths:
+            if not 1 <= depth <= self.pool.max_draft:
+                raise BatchError(f"verify depth {depth} outside 1..{self.pool.max_draft}")
+            n = depth + 1
+            for width, past, start in self._precompile_grid(n):
+                slots = [SlotId(s) for s in range(width)]
+                layout = Layout.build([n] * width, [start] * width, [True] * width)
+                key = shape_key(layout, width * n, past, taps)
+                fn = self._forward_fn(key, layout, taps)
+                inputs = [mx.zeros((width * n,), dtype=mx.int32), mx.arange(width * n)]
+                logits, _, new, captures, _, _ = fn(
+                    [*inputs, *layout.arrays()], self.pool.read(slots, past)
+                )
+                made += self._pin(key, logits, new, captures)
+        return made
+
+    def _precompile_grid(self, tokens: int) -> list[tuple[int, int, int]]:
+        """(padded width, past bucket, a start in that bucket) of every step of `tokens`
+        tokens a row this pool can meet; none for an eager runner."""
+        if not self.compile:
+            return []
+        widths = sorted({self.padded_width(n) for n in range(1, self.pool.n_slots + 1)})
+        last = self.pool.max_context - tokens  # the latest start a row of `tokens` can have
+        pasts = sorted({self.past_for(start) for start in range(last + 1)})
+        return [(w, past, min(past, last)) for w in widths for past in pasts]
+
+    def _pin(self, key: tuple[object, ...], *outputs: object) -> int:
+        """Evaluate a forward just built for `key` and keep it for good: 1, or 0 if it was
+        kept already."""
+        if key in self._pinned:
+            return 0
+        mx.eval(*outputs)
+        self._pinned[key] = self._compiled.pop(key)  # (compiled at once: it recurs)
+        return 1
 
     def launch(
         self, slots: Sequence[SlotId], tokens: mx.array, want_hidden: bool = False

@@ -257,6 +257,50 @@ def test_a_launched_step_changes_nothing_until_adopted_and_then_only_its_kept_ro
     assert snapshots_equal(kept, pool.snapshot(ss[1]))
 
 
+def test_precompiled_verify_shapes_serve_speculation_without_a_cold_step(model: Model) -> None:
+    """`precompile_verify` compiles the verify step of every padded width, past bucket and
+    draft depth without touching the pool; a speculator with uniform verify steps (as on a
+    GPU) then decodes with n-gram drafts at several depths and widths compiling nothing
+    but its prompts' prefill, with the tokens of an eager runner."""
+    from engine.spec.drafters import NgramDrafter
+    from engine.spec.offline import Request, generate
+    from engine.spec.speculator import Speculator
+
+    depth = 3
+    runs = []
+    for compiled in (False, True):
+        pool = SlotPool(model.config, 3, 130, mx.float32, max_draft=depth)
+        runner = ModelRunner(model, pool, compile=compiled)
+        runner.pad_widths = compiled  # as on a GPU: widths padded to 1, 2, 4, 8, ...
+        if compiled:
+            with pytest.raises(BatchError, match="verify depth 4"):
+                runner.precompile_verify([depth + 1])
+            slot = pool.allocate()
+            runner.step([Row(slot, [5, 6, 7], 0)])
+            before = pool.snapshot(slot)
+            assert runner.precompile_decode() == 3 * 4  # widths 1, 2, 3 x pasts 0-130
+            # each depth's rows fit at most 128 positions before: pasts 0, 64, 128
+            assert runner.precompile_verify(range(1, depth + 1)) == depth * 3 * 3
+            assert runner.precompile_verify([2]) == 0
+            assert snapshots_equal(pool.snapshot(slot), before)
+            pool.free(slot)
+        spec = Speculator(runner, depth, [NgramDrafter()], uniform_verify=True)
+        loop = [7, 8, 9, 10, 11, 12] * 4  # n-gram drafts find the loop again and again
+        requests = [
+            Request(loop[:17], 90, speculation="on"),
+            Request([*loop[2:12], 3, 4], 40, speculation="on"),
+            Request([1, 2, 3] * 5, 60, speculation="on"),
+        ]
+        cold = runner.cold_steps
+        run = generate(spec, requests)
+        depths = {k for st in run.stats for k, n in st.choices.items() if k and n}
+        runs.append((run.tokens, runner.cold_steps - cold, depths))
+    (eager_tokens, _, _), (tokens, cold_steps, depths) = runs
+    assert tokens == eager_tokens
+    assert len(depths) > 1  # verify steps of more than one depth were met
+    assert cold_steps == 1  # the prefill of the three prompts, run eagerly
+
+
 def test_precompiled_decode_shapes_meet_no_cold_step_and_change_nothing(model: Model) -> None:
     """`precompile_decode` compiles every decode width and past bucket the pool can meet
     without touching it; decode steps afterwards — through `step` and through `launch` /

@@ -274,9 +274,9 @@ def test_precompile_compiles_every_decode_shape_before_serving_and_is_checked(
 ) -> None:
     """`precompile`: "auto" by default (on where MLX computes on a GPU); "on" with compile
     on compiles every decode width x past bucket of the pool on the scheduler's step thread
-    (2 slots x 130 positions: 2 x 4), after which a request decodes without compiling (with
-    speculation off: verify and draft shapes are not precompiled); with compile off, "on"
-    says there is nothing to compile; anything else is refused."""
+    (2 slots x 130 positions: 2 x 4), after which a request decodes without compiling;
+    "all" adds speculation's verify shapes; with compile off, "on" says there is nothing to
+    compile; anything else is refused."""
     import anyio
 
     from scheduler import Request
@@ -301,6 +301,14 @@ def test_precompile_compiles_every_decode_shape_before_serving_and_is_checked(
 
     made, cold = anyio.run(serve, {"SLOTSERVE_PRECOMPILE": "on", "SLOTSERVE_COMPILE": "on"})
     assert made == 2 * 4 and cold == 1  # the prompt's prefill shape only
+    # "all" with speculation: also verify steps of 1..draft_depth drafts a row, 2 widths x
+    # the 3 past buckets rows of 2..5 tokens can start in (0, 64, 128)
+    every = {"SLOTSERVE_PRECOMPILE": "all", "SLOTSERVE_COMPILE": "on"}
+    made, _ = anyio.run(
+        serve, every | {"SLOTSERVE_SPECULATION": "auto", "SLOTSERVE_DRAFT_DEPTH": "4"}
+    )
+    assert made == 2 * 4 + 4 * 2 * 3
+    assert anyio.run(serve, every)[0] == 2 * 4  # speculation off: decode shapes only
     assert anyio.run(serve, {"SLOTSERVE_PRECOMPILE": "off", "SLOTSERVE_COMPILE": "on"})[0] == 0
     caplog.clear()
     assert anyio.run(serve, {"SLOTSERVE_PRECOMPILE": "on", "SLOTSERVE_COMPILE": "off"})[0] == 0

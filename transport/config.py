@@ -28,7 +28,7 @@ WEIGHTS = ("stored", "dense")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 COMPILE = ("auto", "off", "on")
 DECODE_AHEAD = ("auto", "off", "on")
-PRECOMPILE = ("auto", "off", "on")
+PRECOMPILE = ("auto", "off", "on", "all")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
@@ -67,7 +67,8 @@ class DaemonConfig:
     compile: str = "auto"  # "on": mx.compile each recurring batch shape's step; "auto": on a GPU
     # queue the next decode step before reading this one; "auto": on a GPU
     decode_ahead: str = "auto"
-    # compile every decode batch shape before serving (compiled runners); "auto": on a GPU
+    # compile every decode batch shape before serving (compiled runners); "auto": on a GPU;
+    # "all": speculation's verify shapes too
     precompile: str = "auto"
 
     @property
@@ -244,7 +245,8 @@ KEYS = (
     Key(
         "precompile",
         _choice(PRECOMPILE),
-        "compile every decode batch shape before serving: auto (on a GPU), off or on",
+        "compile every decode batch shape before serving: auto (on a GPU), off, on, or all "
+        "(speculation's verify shapes too)",
     ),
 )
 _BY_NAME = {k.name: k for k in KEYS}

@@ -4,7 +4,8 @@
 # each step under its own timeout, so a call cut short keeps what it measured).
 #   c1  carry .gpu_a                 MLX part 1 to /tmp/keep
 #   c2  carry .gpu_b .gpu_w          MLX, wheels, models; the GPU tests of unrun changes
-#   c3  carry .gpu_llama             llama.cpp's build (background); kernel timelines
+#   c3  carry .gpu_llama             llama.cpp's build (background); kernel timelines;
+#                                    what precompiling verify shapes costs
 #   c4  -                            A/B: step inputs on the device vs host, N = 1, 8, 64
 #   c5  -                            A/B: per-layer recurrent-state writes, N = 64
 #   c6  -                            the suite, 0.8B and 9B, beside llama.cpp and mlx-lm
@@ -35,6 +36,9 @@ c3)
       --steps 16 --json "$OUT/c3_timeline_$mode.json" --trace-dir /tmp/tr_$mode > "$OUT/c3_timeline_$mode.md" 2>&1
     head -n 40 "$OUT/c3_timeline_$mode.md"
   done
+  timeout 150 python3 bench/precompile_time.py --model $M/qwen3.5-0.8b-f16.gguf --slots 8 \
+    --context 4096 --verify 4 --json "$OUT/c3_precompile_verify.json" > "$OUT/c3_precompile_verify.txt" 2>&1
+  tail -n 14 "$OUT/c3_precompile_verify.txt"
   cat /tmp/llama/rc 2>/dev/null; tail -n 1 /tmp/llama/build.log ;;
 c4)
   cat /tmp/llama/rc 2>/dev/null

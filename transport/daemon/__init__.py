@@ -191,18 +191,20 @@ def _dflash_speculator(runner: ModelRunner, path: Path) -> Speculator:
 
 
 async def precompile(scheduler: s.Scheduler, setting: str) -> int:
-    """With `precompile` on (`on_a_gpu_if_auto`), compile every decode batch shape the
-    scheduler's runner can meet before serving (`Scheduler.precompile`); the number
-    compiled, logged with the time it took."""
-    if not on_a_gpu_if_auto(setting):
+    """With `precompile` on (`on_a_gpu_if_auto`) or "all", compile every decode batch shape
+    the scheduler's runner can meet before serving — with "all", every speculative verify
+    shape too (`Scheduler.precompile`); the number compiled, logged with the time it took."""
+    every = setting == "all"
+    if not (every or on_a_gpu_if_auto(setting)):
         return 0
     if not scheduler.runner.compile:
-        if setting == "on":
-            log.warning("precompile is on but compile is off: there is nothing to compile")
+        if setting != "auto":
+            log.warning("precompile is %s but compile is off: there is nothing to compile", setting)
         return 0
     t0 = time.perf_counter()
-    made = await scheduler.precompile()
-    log.info("precompiled %d decode step shapes in %.1f s", made, time.perf_counter() - t0)
+    made = await scheduler.precompile(verify=every)
+    what = "decode and verify" if every else "decode"
+    log.info("precompiled %d %s step shapes in %.1f s", made, what, time.perf_counter() - t0)
     return made
 
 
