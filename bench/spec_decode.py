@@ -134,6 +134,10 @@ def speculator(
     spec = Speculator(runner, args.k, drafters)
     if args.uniform:  # a GPU's batch shapes (verify rows, MTP rounds, padded widths)
         spec.use_uniform_shapes(True)
+    if args.precompile:  # the daemon's precompile = "all": no decode or verify shape compiles later
+        runner.precompile_decode()
+        if args.k and drafters:
+            runner.precompile_verify(range(1, args.k + 1), spec.layers)
     return spec
 
 
@@ -249,6 +253,12 @@ def main() -> None:
     ap.add_argument("--configs", default="plain,ngram,mtp,dflash", help="drafters to run")
     ap.add_argument("--json", type=Path, help="where the report goes")
     ap.add_argument("--uniform", action="store_true", help="a GPU's row shapes on any device")
+    ap.add_argument(
+        "--precompile",
+        action="store_true",
+        help="with --compile: every decode and verify shape compiled before the runs (the "
+        "daemon's precompile = all); the MTP head's draft shapes are still compiled when met",
+    )
     args = ap.parse_args()
     if "plain" not in args.configs.split(","):
         ap.error("--configs needs plain: speed-ups are against it")
