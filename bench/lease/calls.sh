@@ -7,9 +7,10 @@
 #   c3  carry .gpu_llama             llama.cpp's build (background); kernel timelines;
 #                                    what precompiling verify shapes costs
 #   c4  -                            A/B: step inputs on the device vs host, N = 1, 8, 64
-#   c5  -                            A/B: per-layer recurrent-state writes, N = 64
-#   c6  -                            the suite, 0.8B and 9B, beside llama.cpp and mlx-lm
-# About 1,650 s of device time in all.
+#   c5  -                            the suite, 0.8B and 9B, beside llama.cpp and mlx-lm
+#   c6  -                            A/B: per-layer recurrent-state writes, N = 64;
+#                                    speculation on the demo model, precompiled
+# About 1,800 s of device time in all: c6 is the first to drop.
 set -u
 M=/tmp/models
 L=/tmp/llama/llama.cpp/build/bin/llama-batched-bench
@@ -46,15 +47,19 @@ c4)
     --setting device:SLOTSERVE_STEP_INPUTS=device,ARGS=--overlap --setting host_b:ARGS=--overlap \
     --setting device_b:SLOTSERVE_STEP_INPUTS=device,ARGS=--overlap ;;
 c5)
-  sweep c5_ssm 250 --n 64 --setting stacked:ARGS=--overlap \
-    --setting layers:SLOTSERVE_POOL_SSM_WRITE=layers,ARGS=--overlap --setting stacked_b:ARGS=--overlap \
-    --setting layers_b:SLOTSERVE_POOL_SSM_WRITE=layers,ARGS=--overlap ;;
-c6)
   cat /tmp/llama/rc; mkdir -p "$OUT/suite"
   OUT=$OUT/suite timeout 570 python3 bench/gpu_suite.py --model-dir $M --llama-batched-bench $L \
     --wheels .gpu_w/wheels --budget-s 400 --big-needs-s 150 --reps 1 --steps 32 --ahead \
-    > "$OUT/c6_suite.log" 2>&1
+    > "$OUT/c5_suite.log" 2>&1
   tail -n 30 "$OUT/suite/gpu_suite.md" ;;
+c6)
+  sweep c6_ssm 250 --n 64 --setting stacked:ARGS=--overlap \
+    --setting layers:SLOTSERVE_POOL_SSM_WRITE=layers,ARGS=--overlap --setting stacked_b:ARGS=--overlap \
+    --setting layers_b:SLOTSERVE_POOL_SSM_WRITE=layers,ARGS=--overlap
+  timeout 280 python3 bench/spec_decode.py --model models/slotserve-demo.gguf --k 4 --n 1,8 --gen 64 \
+    --repeats 2 --compile --precompile --configs plain,ngram,mtp --json "$OUT/c6_spec.json" \
+    > "$OUT/c6_spec.md" 2>&1
+  tail -n 30 "$OUT/c6_spec.md" ;;
 *)
   echo "usage: bash bench/lease/calls.sh c1|c2|c3|c4|c5|c6" >&2; exit 2 ;;
 esac
