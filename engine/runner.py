@@ -497,6 +497,7 @@ class ModelRunner:
         self, key: tuple[object, ...], layout: Layout, taps: tuple[int, ...]
     ) -> Callable[..., Any]:
         model, config = self.model, self.model.config
+        derive = self.inputs.device
 
         def forward(
             inputs: list[mx.array], stacked: list[mx.array]
@@ -510,8 +511,8 @@ class ModelRunner:
             new = SlotPool.stack_states(lay, new_states, self.ssm_layers(layout.rows))
             t = [] if tapped is None else [tapped[picked]]  # a list: compiled graphs return no None
             # each row's start once all its tokens are in: the next decode step's starts,
-            # made on the device in this graph (`StepInputs`)
-            after = lay.row_starts + lay.row_lengths
+            # made on the device in this graph (`StepInputs`; without it, no kernel spent)
+            after = lay.row_starts + lay.row_lengths if derive else lay.row_starts
             return model.logits(h).astype(mx.float32), h, new, flat, t, after
 
         # Compiled at once, a decode or verify shape skips an eager first step (on a GPU
