@@ -10,7 +10,8 @@
 #   c5  -                            the suite, 0.8B and 9B, beside llama.cpp and mlx-lm
 #   c6  -                            A/B: per-layer recurrent-state writes, N = 64;
 #                                    speculation on the demo model, precompiled
-# About 1,800 s of device time in all: c6 is the first to drop.
+# About 1,800 s of device time in all: c6 is the first to drop. c3 may last until the build
+# ends (~6 min; bench/lease/README.md): send it with a 600 s limit.
 set -u
 M=/tmp/models
 L=/tmp/llama/llama.cpp/build/bin/llama-batched-bench
@@ -37,6 +38,7 @@ c3)
       --steps 16 --json "$OUT/c3_timeline_$mode.json" --trace-dir /tmp/tr_$mode > "$OUT/c3_timeline_$mode.md" 2>&1
     head -n 40 "$OUT/c3_timeline_$mode.md"
   done
+  tail -n 3 /tmp/llama/cmake.log 2>/dev/null
   timeout 150 python3 bench/precompile_time.py --model $M/qwen3.5-0.8b-f16.gguf --slots 8 \
     --context 4096 --verify 4 --json "$OUT/c3_precompile_verify.json" > "$OUT/c3_precompile_verify.txt" 2>&1
   tail -n 14 "$OUT/c3_precompile_verify.txt"
