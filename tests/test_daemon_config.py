@@ -41,6 +41,7 @@ def test_the_example_config_is_valid_and_says_what_it_means(model: Path) -> None
     config = load(EXAMPLE, {}, no_flags(model=str(model)))
     assert config.endpoints == ("tcp://127.0.0.1:5555", "ipc:///run/slotserve/slotserve.sock")
     assert config.log_file is None and config.pid_file is None and config.memory_budget is None
+    assert config.mlx_cache_limit is None  # MLX's own default
     assert config.metrics_host_port == ("127.0.0.1", 9464)
     assert (config.prefix_cache, config.prefix_cache_interval) == (1 << 30, 1024)
     assert config.prefix_cache_placement == "device"
@@ -51,6 +52,7 @@ def test_sizes_lists_and_empty_strings_parse_from_the_environment(model: Path) -
     env = {
         "SLOTSERVE_MODEL": str(model),
         "SLOTSERVE_MEMORY_BUDGET": "1.5GiB",
+        "SLOTSERVE_MLX_CACHE_LIMIT": "256 MiB",
         "SLOTSERVE_ENDPOINTS": "tcp://127.0.0.1:1, ipc:///tmp/x",
         "SLOTSERVE_METRICS_ADDRESS": "",
         "SLOTSERVE_SPECULATION": "off",
@@ -59,7 +61,7 @@ def test_sizes_lists_and_empty_strings_parse_from_the_environment(model: Path) -
         "SLOTSERVE_PREFIX_CACHE_PLACEMENT": "host",
     }
     config = load(None, env, no_flags())
-    assert config.memory_budget == 3 << 29
+    assert config.memory_budget == 3 << 29 and config.mlx_cache_limit == 256 << 20
     assert config.endpoints == ("tcp://127.0.0.1:1", "ipc:///tmp/x")
     assert config.metrics_host_port is None and config.max_draft == 0
     assert config.prefix_cache is None and config.prefix_cache_interval == 0
@@ -201,6 +203,23 @@ def test_dtype_and_compile_settings_reach_the_model_and_runner(model: Path) -> N
     runner = scheduler.runner
     assert runner.compile and runner.pool.kv_dtype == mx.bfloat16
     assert runner.model.dtype == mx.bfloat16
+
+
+def test_the_mlx_cache_limit_is_set_before_the_model_loads(model: Path) -> None:
+    """`mlx_cache_limit`: MLX keeps at most that many bytes of freed buffers; unset, MLX's
+    own default stands."""
+    default = mx.set_cache_limit(0)  # (returns the limit it replaces)
+    mx.set_cache_limit(default)
+    try:
+        env = {"SLOTSERVE_MLX_CACHE_LIMIT": "64MiB", "SLOTSERVE_PREFIX_CACHE": ""}
+        build_scheduler(load(None, env, no_flags(model=str(model), slots="1", context="32")))
+        assert mx.set_cache_limit(default) == 64 << 20
+        build_scheduler(load(None, {}, no_flags(model=str(model), slots="1", context="32")))
+        assert mx.set_cache_limit(default) == default
+    finally:
+        mx.set_cache_limit(default)
+    with pytest.raises(ConfigError, match="mlx_cache_limit: expected bytes"):
+        load(None, {"SLOTSERVE_MLX_CACHE_LIMIT": "most"}, no_flags(model=str(model)))
 
 
 def test_decode_ahead_reaches_the_scheduler_and_is_checked(

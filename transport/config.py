@@ -48,6 +48,7 @@ class DaemonConfig:
     slots: int = 8
     context: int = 4096  # tokens per slot
     memory_budget: int | None = None  # bytes; None = what the pool holds for all slots
+    mlx_cache_limit: int | None = None  # bytes of freed buffers MLX keeps; None = its default
     max_queue: int = 256
     speculation: str = "auto"  # "off": never draft; "auto": the cost controller decides
     draft_depth: int = 4  # the most draft tokens a slot verifies per step
@@ -208,6 +209,11 @@ KEYS = (
     Key("slots", _positive_int, "sequences decoded together (slots in the pool)"),
     Key("context", _positive_int, "tokens per slot: prompt plus generated"),
     Key("memory_budget", _bytes, 'admission budget, e.g. "2GiB" ("" = the whole pool)'),
+    Key(
+        "mlx_cache_limit",
+        _bytes,
+        'most bytes of freed buffers MLX keeps for reuse, e.g. "1GiB" ("" = MLX\'s default)',
+    ),
     Key("max_queue", _positive_int, "requests waiting for a slot before submits are refused"),
     Key("speculation", _choice(SPECULATION), "speculative decoding: off or auto"),
     Key("draft_depth", _positive_int, "most draft tokens verified per slot and step"),

@@ -7,7 +7,8 @@ the HTTP thread:
   collector turns the latest snapshot into counters and gauges at scrape time:
   requests by outcome, tokens in and out, queue depth, active slots, slot memory,
   the prefix cache (lookups, hits, hit ratio, tokens saved, bytes, evictions),
-  step time and host overhead (as summaries: `_count` steps, `_sum` seconds).
+  step time and host overhead (as summaries: `_count` steps, `_sum` seconds), and MLX's
+  own memory: bytes of live arrays, of freed buffers it keeps for reuse, and the peak.
 * `observe(event)` sees every request event the server relays: TTFT (from the
   Finished timings), inter-token latency (gaps between a request's Deltas, split
   evenly over the tokens of each Delta), speculation drafted / accepted and the
@@ -23,6 +24,7 @@ from collections.abc import Iterator
 from wsgiref.simple_server import WSGIServer
 
 import anyio
+import mlx.core as mx
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -46,6 +48,7 @@ class _SnapshotCollector(Collector):
 
     def __init__(self, stats: s.SchedulerStats) -> None:
         self.stats = stats
+        self.mlx_bytes = (0, 0, 0)  # active, cache, peak
 
     def collect(self) -> Iterator[Metric]:
         st = self.stats
@@ -76,6 +79,17 @@ class _SnapshotCollector(Collector):
         yield GaugeMetricFamily(
             f"{PREFIX}_slot_memory_budget_bytes", "The admission budget", st.budget_bytes
         )
+        for name, text, nbytes in zip(
+            ("active", "cache", "peak"),
+            (
+                "Bytes of live MLX arrays: weights, slot pool, snapshots, a step's buffers",
+                "Bytes of freed buffers MLX keeps for reuse (bounded by mlx_cache_limit)",
+                "The most bytes of live MLX arrays at once since start",
+            ),
+            self.mlx_bytes,
+            strict=True,
+        ):
+            yield GaugeMetricFamily(f"{PREFIX}_mlx_{name}_bytes", text, nbytes)
         pc = st.prefix_cache
         for family, name, text, value in (
             (CounterMetricFamily, "lookups", "Prompts looked up in the cache", pc.lookups),
@@ -168,6 +182,11 @@ class Metrics:
 
     def refresh(self) -> None:
         self._snapshot.stats = self.scheduler.stats()
+        self._snapshot.mlx_bytes = (
+            mx.get_active_memory(),
+            mx.get_cache_memory(),
+            mx.get_peak_memory(),
+        )
 
     async def refresh_forever(self) -> None:
         while True:

@@ -82,6 +82,9 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
     """Load the model (and the drafter) and allocate the pools. Call on the thread that
     runs the scheduler's event loop: MLX evaluates a graph only on the thread that built it."""
     path = config.model
+    if config.mlx_cache_limit is not None:  # freed buffers kept for reuse; MLX's default: all
+        mx.set_cache_limit(config.mlx_cache_limit)
+        log.info("MLX buffer cache limited to %.1f MiB", config.mlx_cache_limit / 2**20)
     log.info("loading model %s (%.1f MiB)", path, path.stat().st_size / 2**20)
     t0 = time.perf_counter()
     # "dense": quantized matrices dequantized to floats at load — on a CPU MLX's quantized
