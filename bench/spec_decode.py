@@ -135,9 +135,7 @@ def speculator(
     if args.uniform:  # a GPU's batch shapes (verify rows, MTP rounds, padded widths)
         spec.use_uniform_shapes(True)
     if args.precompile:  # the daemon's precompile = "all": no decode or verify shape compiles later
-        runner.precompile_decode()
-        if args.k and drafters:
-            runner.precompile_verify(range(1, args.k + 1), spec.layers)
+        spec.precompile()
     return spec
 
 

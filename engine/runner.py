@@ -140,8 +140,8 @@ class PendingStep:
     starts: list[int]
     logits: mx.array
     new: list[mx.array]
+    positions: mx.array  # [N] int32: the rows' starts, as the step read them
     hidden: mx.array | None = None
-    positions: mx.array | None = None  # [N] int32: the rows' starts, as the step read them
 
 
 class ModelRunner:
@@ -366,8 +366,6 @@ class ModelRunner:
             fed = mx.pad(fed, [(0, len(pads))])
         all_slots, all_starts = slots + pads, starts + starts[:1] * len(pads)
         row_starts = self.inputs.starts(all_slots, all_starts)
-        if row_starts is None:
-            row_starts = mx.array(all_starts, dtype=mx.int32)
         _, (logits, hidden, new, _, _, after) = self._decode_forward(
             all_slots, all_starts, fed, row_starts
         )
@@ -378,7 +376,7 @@ class ModelRunner:
         kept = hidden if want_hidden else None
         mx.async_eval(logits, new, *([] if kept is None else [kept]))
         positions = row_starts[:n] if pads else row_starts  # its tokens' positions: their starts
-        return PendingStep(slots, starts, logits, new, kept, positions)
+        return PendingStep(slots, starts, logits, new, positions, kept)
 
     def _decode_forward(
         self,
@@ -417,15 +415,15 @@ class ModelRunner:
         self.pool.check_rows(slots, starts, [1] * len(slots), [False] * len(slots))
         new, logits, hidden = pending.new, pending.logits, pending.hidden
         ones = [1] * len(slots)
-        if list(keep) != list(range(len(pending.slots))):  # rows are tokens: one index serves
+        if list(keep) == list(range(len(pending.slots))):
+            # the launch's arrays: nothing written by the host for the pool's scatter
+            tok_slot, tok_pos = self.inputs.kept(slots), pending.positions
+        else:  # rows are tokens: one index serves
             at = mx.array(list(keep), dtype=mx.int32)
             new = [a[:, at] for a in new]
             logits = logits[at]
             hidden = None if hidden is None else hidden[at]
-        if list(keep) != list(range(len(pending.slots))) or pending.positions is None:
             tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, ones)
-        else:  # the launch's arrays: nothing written by the host for the pool's scatter
-            tok_slot, tok_pos = self.inputs.kept(slots), pending.positions
         self._store(slots, starts, ones, tok_slot, tok_pos, new, [None] * len(self.model.layers))
         return StepOutput([RowOutput(packed=(logits, hidden, i, 1)) for i in range(len(slots))])
 
@@ -797,14 +795,14 @@ class StepInputs:
         self._kept: OrderedDict[tuple[int, ...], mx.array] = OrderedDict()
         self.derived = 0  # steps whose starts came from the step before (tests, benches)
 
-    def starts(self, slots: Sequence[int], starts: Sequence[int]) -> mx.array | None:
+    def starts(self, slots: Sequence[int], starts: list[int]) -> mx.array:
         """The starts of a step of one token a row: the last step's `after` if it was on
-        these slots and ended at these starts; else None (the layout makes them)."""
+        these slots and ended at these starts; else made from the host."""
         after = self._after
         if after is not None and after[0] == tuple(slots) and after[1] == tuple(starts):
             self.derived += 1
             return after[2]
-        return None
+        return mx.array(starts, dtype=mx.int32)
 
     def ran(self, slots: Sequence[int], starts: Sequence[int], after: mx.array) -> None:
         """A step of one token a row on `slots` at `starts` was built; `after` (lazy) holds
@@ -812,11 +810,11 @@ class StepInputs:
         if self.device:
             self._after = (tuple(slots), tuple(s + 1 for s in starts), after)
 
-    def kept(self, values: Sequence[int]) -> mx.array:
+    def kept(self, values: list[int] | list[SlotId]) -> mx.array:
         """An int32 array of `values`, made once while recent (with `device` on)."""
-        key = tuple(values)
         if not self.device:
-            return mx.array(key, dtype=mx.int32)
+            return mx.array(values, dtype=mx.int32)
+        key = tuple(values)
         arr = self._kept.get(key)
         if arr is None:
             arr = self._kept[key] = mx.array(key, dtype=mx.int32)

@@ -229,23 +229,13 @@ class Scheduler:
     async def precompile(self, verify: bool = False) -> int:
         """Compile every decode batch shape the runner can meet (`ModelRunner.
         precompile_decode`) — and with `verify`, every verify step shape of the speculator's
-        draft depths (`precompile_verify`; with a drafter that follows trunk layers, also
-        with those layers tapped) — on the step thread, where steps run: the number
-        compiled. Only while running; meant for before requests come (a daemon's warm-up):
-        it runs between steps, so a step waits for it."""
+        draft depths (`Speculator.precompile`) — on the step thread, where steps run: the
+        number compiled. Only while running; meant for before requests come (a daemon's
+        warm-up): it runs between steps, so a step waits for it."""
         if self._state != _State.RUNNING:
             raise RuntimeError("precompile needs a running Scheduler")
-        runner, spec = self.runner, self._stepper.speculator
-
-        def compile_all() -> int:
-            made = runner.precompile_decode()
-            if verify and spec.max_draft:
-                depths = range(1, spec.max_draft + 1)
-                for taps in {(), spec.layers}:
-                    made += runner.precompile_verify(depths, taps)
-            return made
-
-        return await self._thread.run(compile_all)
+        spec = self._stepper.speculator
+        return await self._thread.run(spec.precompile if verify else self.runner.precompile_decode)
 
     def stats(self) -> SchedulerStats:
         """A snapshot of the scheduler's state and counters since it started."""

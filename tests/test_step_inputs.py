@@ -91,14 +91,18 @@ def test_a_derived_start_is_used_only_for_the_same_slots_one_token_on() -> None:
     inputs = StepInputs(device=True)
     after = mx.array([8, 11], dtype=mx.int32)
     inputs.ran([0, 1], [7, 10], after)
-    assert inputs.starts([0, 1], [7, 10]) is None  # the same step again: not one token on
-    assert inputs.starts([1, 0], [11, 8]) is None  # other slots (the same ones reordered)
-    assert inputs.starts([0, 1], [8, 12]) is None  # a row that moved otherwise (a verify)
+    for slots, starts in (
+        ([0, 1], [7, 10]),  # the same step again: not one token on
+        ([1, 0], [11, 8]),  # other slots (the same ones reordered)
+        ([0, 1], [8, 12]),  # a row that moved otherwise (a verify)
+    ):
+        made = inputs.starts(slots, starts)
+        assert made is not after and made.tolist() == starts  # made from the host
     assert inputs.starts([0, 1], [8, 11]) is after
     assert inputs.derived == 1
     off = StepInputs(device=False)
     off.ran([0, 1], [7, 10], after)
-    assert off.starts([0, 1], [8, 11]) is None
+    assert off.starts([0, 1], [8, 11]) is not after
     assert off.kept([1, 2]) is not off.kept([1, 2])
     assert inputs.kept([1, 2]) is inputs.kept([1, 2])
 

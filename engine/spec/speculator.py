@@ -325,6 +325,19 @@ class Speculator:
                 if d.name in states:
                     d.adopt(slot, states[d.name])
 
+    def precompile(self) -> int:
+        """Compile and keep, before any request, the shape of every plain decode step
+        (`ModelRunner.precompile_decode`) and, with drafters, of every verify step at each
+        draft depth up to `max_draft` (`precompile_verify`; with the layers a drafter follows
+        tapped, and without): the number compiled. The MTP head's own draft shapes are
+        not covered."""
+        made = self.runner.precompile_decode()
+        if self.max_draft and self.drafters:
+            depths = range(1, self.max_draft + 1)
+            for taps in {(), self.layers}:
+                made += self.runner.precompile_verify(depths, taps)
+        return made
+
     def drafter_bytes(self, context_tokens: int) -> int:
         """Bytes a speculating sequence of `context_tokens` holds in the drafters' own pools
         (on top of `SlotPool.bytes_for`; a sequence with speculation off holds none)."""
