@@ -161,7 +161,7 @@ def test_the_metrics_endpoint_counts_the_traffic(model: Path, tmp_path: Path) ->
     # MLX's memory: the weights and the pool are live arrays; the peak holds at least them
     assert after["slotserve_mlx_active_bytes"] > 0
     assert after["slotserve_mlx_peak_bytes"] >= after["slotserve_mlx_active_bytes"]
-    assert after["slotserve_mlx_cache_bytes"] >= 0
+    assert "slotserve_mlx_cache_bytes" in after
     assert after["slotserve_prefix_cache_budget_bytes"] == 1 << 30
     depth_steps = [k for k in after if k.startswith("slotserve_spec_depth_steps_total")]
     # 7 decode tokens each; a step that accepts drafts commits more than one of them
