@@ -17,14 +17,7 @@ if [ -f .gpu_llama/llama.tgz ] && [ ! -d /tmp/llama/llama.cpp ]; then
     echo $? > /tmp/llama/rc' > /dev/null 2>&1 < /dev/null &)
 fi
 mkdir -p /tmp/models
-python3 - <<'PY'
-import dataclasses, time
-from pathlib import Path
-from engine.writer import preset, write_model
-for name, quant in (("qwen3.5-0.8b", "f16"), ("qwen3.5-9b", "q8_0")):
-    path = Path(f"/tmp/models/{name}-{quant}.gguf")
-    if not path.exists():
-        t = time.perf_counter()
-        write_model(path, dataclasses.replace(preset(name), quant=quant))
-        print(f"wrote {path} in {time.perf_counter() - t:.0f} s")
-PY
+for spec in qwen3.5-0.8b:f16 qwen3.5-9b:q8_0; do  # the project's writer, through its CLI
+  out=/tmp/models/${spec%%:*}-${spec##*:}.gguf
+  [ -f "$out" ] || python3 -m transport.cli make-model "$out" --preset "${spec%%:*}" --quant "${spec##*:}"
+done
