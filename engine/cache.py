@@ -357,10 +357,16 @@ class SlotPool:
         return mx.array(tok_slot, dtype=mx.int32), mx.array(tok_pos, dtype=mx.int32)
 
     def read_mtp(
-        self, slots: list[SlotId], starts: list[int], past: int | None = None
+        self,
+        slots: list[SlotId],
+        starts: list[int],
+        past: int | None = None,
+        pads: Sequence[SlotId] = (),
     ) -> AttentionState:
-        """The MTP block's K/V of the rows on `slots`: the first `past` entries (default: the
-        latest start; a caller may read more, to keep batch shapes few)."""
+        """The MTP block's K/V of the rows on `slots`, then of `pads` (rows whose outputs
+        nobody keeps, padding a batch to a compiled width: read as they are, unchecked): the
+        first `past` entries (default: the latest start; a caller may read more, to keep
+        batch shapes few)."""
         if self.mtp_k is None or self.mtp_v is None:
             raise SlotStateError("this model has no MTP block")
         for slot, start in zip(slots, starts, strict=True):
@@ -371,8 +377,8 @@ class SlotPool:
                 )
         past = max(starts) if past is None else past
         return AttentionState(
-            take_slots(self.mtp_k[:, :past], slots, 0, self.MAX_RUNS),
-            take_slots(self.mtp_v[:, :past], slots, 0, self.MAX_RUNS),
+            take_slots(self.mtp_k[:, :past], [*slots, *pads], 0, self.MAX_RUNS),
+            take_slots(self.mtp_v[:, :past], [*slots, *pads], 0, self.MAX_RUNS),
         )
 
     def write_mtp(

@@ -25,7 +25,7 @@ import numpy as np
 from engine.cache import SlotId, SlotPool
 from engine.models.batch import AttentionState, Layout, LinearCapture
 from engine.models.qwen35 import Model, MTPHead
-from engine.sampling import Shaping, draw
+from engine.sampling import SamplingParams, Shaping, draw
 
 
 class BatchError(ValueError):
@@ -325,15 +325,66 @@ class ModelRunner:
                 made += self._pin(key, logits, new, captures)
         return made
 
-    def _precompile_grid(self, tokens: int) -> list[tuple[int, int, int]]:
+    def precompile_mtp(self, tokens: int, depths: Sequence[int]) -> int:
+        """`precompile_decode` for the MTP head's steady shapes (`MTPDrafter` with uniform
+        rounds): its catch-up forward of `tokens`-token rows, and its draft chain `depth`
+        deep for each of `depths`, greedy-only and truncating — every padded width and past
+        bucket (`_mtp_pads`). Read only; 0 for an eager runner or one not padding widths."""
+        self._mtp()
+        if not self.pad_widths:
+            return 0
+        E, V = self.model.config.n_embd, self.model.config.n_vocab
+        made = 0
+        for width, past, start in self._precompile_grid(tokens):
+            layout = Layout.build([tokens] * width, [start] * width)
+            key: tuple[object, ...] = ("mtp", width, tokens, True, width * tokens, past)
+            state = self.pool.read_mtp([], [], past, [SlotId(s) for s in range(width)])
+            hidden = mx.zeros((width * tokens, E), dtype=self.model.dtype)
+            inputs = [mx.zeros((width * tokens,), dtype=mx.int32), hidden, *layout.arrays()]
+            out = self._draft_fn(key, layout)(inputs, [state.k, state.v])
+            made += self._pin(key, *out)
+        greedy, truncating = SamplingParams(temperature=0.0), SamplingParams(top_k=40)
+        for depth in sorted(set(depths)):
+            if not 1 <= depth <= max(1, self.pool.max_draft):
+                raise BatchError(f"MTP chain depth {depth} outside 1..{self.pool.max_draft}")
+            # the deepest forward reads up to start + depth - 2; a chain of 1 reads nothing
+            if depth > 1:
+                grid = self._precompile_grid(depth - 1, ahead=depth - 2)
+            else:
+                grid = sorted({(w, 0, 0) for w, _, _ in self._precompile_grid(1)})
+            for width, past, start in grid:
+                slots = [SlotId(s) for s in range(width)]
+                layout = Layout.build([1] * width, [start] * width)
+                kv = []
+                if depth > 1:
+                    state = self.pool.read_mtp([], [], past, slots)
+                    kv = [state.k, state.v]
+                for params in (greedy, truncating):
+                    shaping = Shaping.of([params] * width)
+                    key = ("mtp-chain", width, depth, past, shaping.truncate)
+                    inputs = [
+                        mx.zeros((width, V), dtype=mx.float32),
+                        mx.zeros((width, E), dtype=self.model.dtype),
+                        mx.zeros((width, depth), dtype=mx.float32),
+                        *layout.arrays(),
+                        *shaping.arrays,
+                    ]
+                    out = self._chain_fn(key, layout, shaping, depth)(inputs, kv)
+                    made += self._pin(key, *out)
+        return made
+
+    def _precompile_grid(self, tokens: int, ahead: int = 0) -> list[tuple[int, int, int]]:
         """(padded width, past bucket, a start in that bucket) of every step of `tokens`
-        tokens a row this pool can meet; none for an eager runner."""
+        tokens a row this pool can meet, reading the past up to its start + `ahead`; none
+        for an eager runner."""
         if not self.compile:
             return []
         widths = sorted({self.padded_width(n) for n in range(1, self.pool.n_slots + 1)})
         last = self.pool.max_context - tokens  # the latest start a row of `tokens` can have
-        pasts = sorted({self.past_for(start) for start in range(last + 1)})
-        return [(w, past, min(past, last)) for w in widths for past in pasts]
+        latest: dict[int, int] = {}  # past bucket -> a start that reads it
+        for start in range(last + 1):
+            latest[self.past_for(start + ahead)] = start
+        return [(w, past, latest[past]) for w in widths for past in sorted(latest)]
 
     def _pin(self, key: tuple[object, ...], *outputs: object) -> int:
         """Evaluate a forward just built for `key` and keep it for good: 1, or 0 if it was
@@ -520,7 +571,9 @@ class ModelRunner:
         return self._kept_or(key, forward, at_once=recurs)
 
     def _draft_fn(self, key: tuple[object, ...], layout: Layout) -> Callable[..., Any]:
-        """The MTP head's forward for one batch shape, compiled like the trunk's."""
+        """The MTP head's forward for one batch shape, compiled like the trunk's: at once
+        when its shape recurs (uniform rows at a padded width, at most a verify row long:
+        a steady catch-up), else at its `compile_after`-th sighting (a prompt's backlog)."""
         mtp = self._mtp()
 
         def draft(
@@ -531,7 +584,8 @@ class ModelRunner:
             logits, h, new = mtp(tokens, hidden, lay, AttentionState(kv[0], kv[1]))
             return logits.astype(mx.float32), h, new.k, new.v
 
-        return self._kept_or(key, draft)
+        recurs = self.pad_widths and layout.uniform and self.recurs(layout.width, layout.width)
+        return self._kept_or(key, draft, at_once=recurs)
 
     def _chain_fn(
         self, key: tuple[object, ...], layout: Layout, shaping: Shaping, depth: int
@@ -562,7 +616,7 @@ class ModelRunner:
                 qs.append(q)
             return mx.stack(tokens, axis=1), mx.stack(qs, axis=1), ks, vs
 
-        return self._kept_or(key, chain)
+        return self._kept_or(key, chain, at_once=self.pad_widths)
 
     def _kept_or(
         self, key: tuple[object, ...], fn: Callable[..., Any], at_once: bool = False
@@ -591,6 +645,15 @@ class ModelRunner:
         if len(self._compiled) > self.MAX_FORWARDS:
             self._compiled.popitem(last=False)
         return fn
+
+    def _mtp_pads(self, slots: list[SlotId], uniform: bool) -> list[SlotId]:
+        """Slots for the rows that pad an MTP forward of uniform rows to the trunk's padded
+        width (`padded_width`), so a compiled runner meets a few head shapes per past bucket
+        however many slots draft — and can compile them all ahead (`precompile_mtp`). Their
+        rows are read, never written; their outputs are dropped."""
+        if not (self.pad_widths and uniform):
+            return []
+        return self._pad_slots(slots, self.padded_width(len(slots)))
 
     def _check_mtp_room(self, slot: SlotId, end: int) -> None:
         if end > self.pool.max_context:
@@ -628,13 +691,20 @@ class ModelRunner:
         lengths = [len(r.tokens) for r in batch]
         for slot, start, n in zip(slots, starts, lengths, strict=True):
             self._check_mtp_room(slot, start + n)
-        layout = Layout.build(lengths, starts)
         past = self.past_for(max(starts))
-        state = self.pool.read_mtp(slots, starts, past)
-        hidden = mx.concatenate([r.hidden for r in batch], axis=0)
-        key = ("mtp", layout.rows, layout.width, layout.uniform, sum(lengths), past)
+        pads = self._mtp_pads(slots, len(set(lengths)) == 1)
+        state = self.pool.read_mtp(slots, starts, past, pads)
+        rows = [*batch, *[batch[0]] * len(pads)]  # pads: the first row again, on other slots
+        layout = Layout.build([len(r.tokens) for r in rows], [r.start for r in rows])
+        hidden = mx.concatenate([r.hidden for r in rows], axis=0)
+        tokens = sum(len(r.tokens) for r in rows)
+        key = ("mtp", layout.rows, layout.width, layout.uniform, tokens, past)
         fn = self._draft_fn(key, layout)
-        logits, h, k, v = fn([_token_array(batch), hidden, *layout.arrays()], [state.k, state.v])
+        logits, h, k, v = fn([_token_array(rows), hidden, *layout.arrays()], [state.k, state.v])
+        if pads:  # uniform rows: the real ones are the first, their outputs the first tokens
+            T = sum(lengths)
+            logits, h, k, v = logits[:T], h[:T], k[: len(batch)], v[: len(batch)]
+            layout = Layout.build(lengths, starts)
         new = AttentionState(k, v)
         mx.eval(logits, h, new.k, new.v)  # before the pool changes, as in `step`
         self._write_mtp(slots, starts, lengths, new, layout)
@@ -665,12 +735,17 @@ class ModelRunner:
         K = deepest if depth is None else depth
         if not 1 <= deepest <= K:
             raise BatchError(f"a chain {K} deep for rows up to {deepest} deep")
+        pads = self._mtp_pads(slots, True)
+        if pads:  # the first row again on other slots, drawing nothing; shaped as the first
+            rows = [*rows, *[dataclasses.replace(rows[0], depth=0)] * len(pads)]
+            shaping = shaping.padded(len(pads))
+            starts = [r.start for r in rows]
         layout = Layout.build([1] * len(rows), starts)
         kv: list[mx.array] = []
         past = 0
         if K > 1:  # the deepest forward reads the entries up to its start
             past = self.past_for(max(starts) + K - 2)
-            state = self.pool.read_mtp(slots, starts, past)
+            state = self.pool.read_mtp(slots, starts[: len(slots)], past, pads)
             kv = [state.k, state.v]
         uniforms = np.zeros((len(rows), K), dtype=np.float32)
         for b, r in enumerate(rows):
@@ -686,6 +761,7 @@ class ModelRunner:
         ]
         tokens, q, ks, vs = fn(inputs, kv)
         mx.eval(tokens, q, ks, vs)  # before the pool changes, as in `step`
+        rows = rows[: len(slots)]
         deep = [b for b, r in enumerate(rows) if r.depth > 1]
         if deep:
             k = mx.concatenate(ks[: deepest - 1], axis=1)
@@ -693,6 +769,8 @@ class ModelRunner:
             if len(deep) < len(rows):  # (an integer index is a gather: only when needed)
                 at = mx.array(deep, dtype=mx.int32)
                 k, v = k[at], v[at]
+            elif pads:  # every real row: the first, a slice
+                k, v = k[: len(rows)], v[: len(rows)]
             lengths = [rows[b].depth - 1 for b in deep]
             self._write_mtp(
                 [slots[b] for b in deep], [starts[b] for b in deep], lengths, AttentionState(k, v)

@@ -183,6 +183,13 @@ class Shaping:
         min_p = mx.array([p.min_p for p in params], dtype=mx.float32)[:, None]
         return cls(True, (greedy, temp, top_k, top_p, min_p))
 
+    def padded(self, n: int) -> Shaping:
+        """The same rows and `n` more shaped as the first (rows padding a batch)."""
+        return Shaping(
+            self.truncate,
+            tuple(mx.concatenate([a, mx.repeat(a[:1], n, axis=0)]) for a in self.arrays),
+        )
+
     def with_arrays(self, arrays: Sequence[mx.array]) -> Shaping:
         """The same static shape over other arrays (as a compiled function receives them)."""
         return Shaping(self.truncate, tuple(arrays))

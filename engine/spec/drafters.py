@@ -109,6 +109,11 @@ class Drafter:
         pool (0: none; the MTP head's KV is in the trunk's `SlotPool`, which counts it)."""
         return 0
 
+    def precompile(self, max_draft: int) -> int:
+        """Compile and keep the drafter's own forwards of every steady batch shape, drafts
+        up to `max_draft` deep (`Speculator.precompile`): the number compiled (0: none)."""
+        return 0
+
 
 class NgramDrafter(Drafter):
     """Prompt lookup: continue the latest earlier occurrence of the history's last n tokens.
@@ -393,6 +398,15 @@ class MTPDrafter(Drafter):
         for c in chains:
             c.draft.q = mx.stack(c.qs)
         return out
+
+    def precompile(self, max_draft: int) -> int:
+        """With uniform rounds, the steady catch-up (rows `width(1)` long) and the draft
+        chain of every depth `depth` makes, at every padded width and past bucket
+        (`ModelRunner.precompile_mtp`); a backlog's longer catch-up is compiled when met."""
+        if not self.uniform or not max_draft:
+            return 0
+        depths = {self.depth(k) for k in range(1, max_draft + 1)}
+        return self.runner.precompile_mtp(self.width(1), sorted(depths))
 
     def width(self, n: int) -> int:
         """How long uniform catch-up rows are when the longest needs `n`: one verify step's

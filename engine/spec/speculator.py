@@ -329,13 +329,14 @@ class Speculator:
         """Compile and keep, before any request, the shape of every plain decode step
         (`ModelRunner.precompile_decode`) and, with drafters, of every verify step at each
         draft depth up to `max_draft` (`precompile_verify`; with the layers a drafter follows
-        tapped, and without): the number compiled. The MTP head's own draft shapes are
-        not covered."""
+        tapped, and without), and the drafters' own steady shapes (`Drafter.precompile`:
+        the MTP head's catch-up and draft chains): the number compiled."""
         made = self.runner.precompile_decode()
         if self.max_draft and self.drafters:
             depths = range(1, self.max_draft + 1)
             for taps in {(), self.layers}:
                 made += self.runner.precompile_verify(depths, taps)
+            made += sum(d.precompile(self.max_draft) for d in self.drafters)
         return made
 
     def drafter_bytes(self, context_tokens: int) -> int:
