@@ -134,7 +134,7 @@ def speculator(
     spec = Speculator(runner, args.k, drafters)
     if args.uniform:  # a GPU's batch shapes (verify rows, MTP rounds, padded widths)
         spec.use_uniform_shapes(True)
-    if args.precompile:  # the daemon's precompile = "all": no decode or verify shape compiles later
+    if args.precompile:  # the daemon's precompile = "all": no steady shape compiles later
         spec.precompile()
     return spec
 
@@ -254,8 +254,8 @@ def main() -> None:
     ap.add_argument(
         "--precompile",
         action="store_true",
-        help="with --compile: every decode and verify shape compiled before the runs (the "
-        "daemon's precompile = all); the MTP head's draft shapes are still compiled when met",
+        help="with --compile: every decode and verify shape, and the MTP head's steady ones, "
+        "compiled before the runs (the daemon's precompile = all)",
     )
     args = ap.parse_args()
     if "plain" not in args.configs.split(","):

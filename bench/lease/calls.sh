@@ -4,14 +4,15 @@
 # each step under its own timeout, so a call cut short keeps what it measured).
 #   c1  carry .gpu_a                 MLX part 1 to /tmp/keep
 #   c2  carry .gpu_b .gpu_w          MLX, wheels, models; the GPU tests of unrun changes
-#   c3  carry .gpu_llama             llama.cpp's build (background); kernel timelines;
-#                                    what precompiling verify shapes costs
-#   c4  -                            A/B: step inputs on the device vs host, N = 1, 8, 64
-#   c5  -                            the suite, 0.8B and 9B, beside llama.cpp and mlx-lm
-#   c6  -                            A/B: per-layer recurrent-state writes, N = 64;
-#                                    speculation on the demo model, precompiled
-# About 1,800 s of device time in all: c6 is the first to drop. c3 may last until the build
-# ends (~6 min; bench/lease/README.md): send it with a 600 s limit.
+#   c3  carry .gpu_llama             llama.cpp's build (background); what precompiling
+#                                    verify and MTP shapes costs; A/B: step inputs on the
+#                                    device vs host, N = 8, 64, two passes
+#   c4  -                            the suite, 0.8B and 9B, beside llama.cpp and mlx-lm
+#   c5  -                            speculation on the demo model, every steady shape
+#                                    precompiled (MTP's too)
+#   c6  -                            A/B: per-layer recurrent-state writes, N = 64
+# About 1,800 s of device time in all: c6 is the first to drop. c3 lasts about as long as
+# the build (~6 min; bench/lease/README.md): send it with a 600 s limit.
 set -u
 M=/tmp/models
 L=/tmp/llama/llama.cpp/build/bin/llama-batched-bench
@@ -29,39 +30,34 @@ c2)
   source .gpu_b/install-mlx-cuda.sh
   T=$(date +%s); source bench/lease/setup.sh > "$OUT/c2_setup.txt" 2>&1
   echo "setup $(( $(date +%s) - T )) s"; ls -la $M
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_step_inputs.py \
-    > "$OUT/c2_tests.txt" 2>&1; tail -n 3 "$OUT/c2_tests.txt" ;;
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_step_inputs.py \
+    tests/test_spec_shapes.py > "$OUT/c2_tests.txt" 2>&1
+  tail -n 5 "$OUT/c2_tests.txt" ;;
 c3)
   source bench/lease/setup.sh > "$OUT/c3_setup.txt" 2>&1
-  for mode in host device; do
-    SLOTSERVE_STEP_INPUTS=$mode timeout 100 python3 bench/gpu_timeline.py --model-dir $M --n 8,64 \
-      --steps 16 --json "$OUT/c3_timeline_$mode.json" --trace-dir /tmp/tr_$mode > "$OUT/c3_timeline_$mode.md" 2>&1
-    head -n 40 "$OUT/c3_timeline_$mode.md"
-  done
-  tail -n 3 /tmp/llama/cmake.log 2>/dev/null
-  timeout 150 python3 bench/precompile_time.py --model $M/qwen3.5-0.8b-f16.gguf --slots 8 \
-    --context 4096 --verify 4 --json "$OUT/c3_precompile_verify.json" > "$OUT/c3_precompile_verify.txt" 2>&1
-  tail -n 14 "$OUT/c3_precompile_verify.txt"
+  timeout 200 python3 bench/precompile_time.py --model $M/qwen3.5-0.8b-f16.gguf --slots 8 \
+    --context 4096 --verify 4 --mtp --json "$OUT/c3_precompile.json" > "$OUT/c3_precompile.txt" 2>&1
+  tail -n 20 "$OUT/c3_precompile.txt"
+  tail -n 2 /tmp/llama/build.log 2>/dev/null
+  sweep c3_inputs 300 --n 8,64 --setting host:ARGS=--overlap \
+    --setting device:SLOTSERVE_STEP_INPUTS=device,ARGS=--overlap --setting host_b:ARGS=--overlap \
+    --setting device_b:SLOTSERVE_STEP_INPUTS=device,ARGS=--overlap
   cat /tmp/llama/rc 2>/dev/null; tail -n 1 /tmp/llama/build.log ;;
 c4)
-  cat /tmp/llama/rc 2>/dev/null
-  sweep c4_inputs 560 --n 1,8,64 --setting host:ARGS=--overlap \
-    --setting device:SLOTSERVE_STEP_INPUTS=device,ARGS=--overlap --setting host_b:ARGS=--overlap \
-    --setting device_b:SLOTSERVE_STEP_INPUTS=device,ARGS=--overlap ;;
-c5)
   cat /tmp/llama/rc; mkdir -p "$OUT/suite"
   OUT=$OUT/suite timeout 570 python3 bench/gpu_suite.py --model-dir $M --llama-batched-bench $L \
     --wheels .gpu_w/wheels --budget-s 400 --big-needs-s 150 --reps 1 --steps 32 --ahead \
-    > "$OUT/c5_suite.log" 2>&1
+    > "$OUT/c4_suite.log" 2>&1
   tail -n 30 "$OUT/suite/gpu_suite.md" ;;
+c5)
+  timeout 330 python3 bench/spec_decode.py --model models/slotserve-demo.gguf --k 4 --n 1,8 --gen 64 \
+    --repeats 2 --compile --precompile --configs plain,ngram,mtp --json "$OUT/c5_spec.json" \
+    > "$OUT/c5_spec.md" 2>&1
+  tail -n 30 "$OUT/c5_spec.md" ;;
 c6)
   sweep c6_ssm 250 --n 64 --setting stacked:ARGS=--overlap \
     --setting layers:SLOTSERVE_POOL_SSM_WRITE=layers,ARGS=--overlap --setting stacked_b:ARGS=--overlap \
-    --setting layers_b:SLOTSERVE_POOL_SSM_WRITE=layers,ARGS=--overlap
-  timeout 280 python3 bench/spec_decode.py --model models/slotserve-demo.gguf --k 4 --n 1,8 --gen 64 \
-    --repeats 2 --compile --precompile --configs plain,ngram,mtp --json "$OUT/c6_spec.json" \
-    > "$OUT/c6_spec.md" 2>&1
-  tail -n 30 "$OUT/c6_spec.md" ;;
+    --setting layers_b:SLOTSERVE_POOL_SSM_WRITE=layers,ARGS=--overlap ;;
 *)
   echo "usage: bash bench/lease/calls.sh c1|c2|c3|c4|c5|c6" >&2; exit 2 ;;
 esac
