@@ -325,24 +325,30 @@ class ModelRunner:
                 made += self._pin(key, logits, new, captures)
         return made
 
-    def precompile_mtp(self, tokens: int, depths: Sequence[int]) -> int:
+    def precompile_mtp(self, tokens: Sequence[int], depths: Sequence[int]) -> int:
         """`precompile_decode` for the MTP head's steady shapes (`MTPDrafter` with uniform
-        rounds): its catch-up forward of `tokens`-token rows, and its draft chain `depth`
-        deep for each of `depths`, greedy-only and truncating — every padded width and past
-        bucket (`_mtp_pads`). Read only; 0 for an eager runner or one not padding widths."""
+        rounds): its catch-up forward of rows `tokens` long (each of them; the last position's
+        outputs), and its draft chain `depth` deep for each of `depths`, greedy-only and
+        truncating — every padded width and past bucket (`_mtp_pads`). Read only; 0 for an
+        eager runner or one not padding widths."""
         self._mtp()
         if not self.pad_widths:
             return 0
         E, V = self.model.config.n_embd, self.model.config.n_vocab
         made = 0
-        for width, past, start in self._precompile_grid(tokens):
-            layout = Layout.build([tokens] * width, [start] * width)
-            key: tuple[object, ...] = ("mtp", width, tokens, True, width * tokens, past)
-            state = self.pool.read_mtp([], [], past, [SlotId(s) for s in range(width)])
-            hidden = mx.zeros((width * tokens, E), dtype=self.model.dtype)
-            inputs = [mx.zeros((width * tokens,), dtype=mx.int32), hidden, *layout.arrays()]
-            out = self._draft_fn(key, layout)(inputs, [state.k, state.v])
-            made += self._pin(key, *out)
+        for n in sorted(set(tokens)):
+            for width, past, start in self._precompile_grid(n):
+                layout = Layout.build([n] * width, [start] * width)
+                key: tuple[object, ...] = ("mtp", width, n, True, width * n, past, True)
+                state = self.pool.read_mtp([], [], past, [SlotId(s) for s in range(width)])
+                inputs = [
+                    mx.zeros((width * n,), dtype=mx.int32),
+                    mx.zeros((width * n, E), dtype=self.model.dtype),
+                    mx.arange(n - 1, width * n, n, dtype=mx.int32),  # each row's last
+                    *layout.arrays(),
+                ]
+                out = self._draft_fn(key, layout, True)(inputs, [state.k, state.v])
+                made += self._pin(key, *out)
         greedy, truncating = SamplingParams(temperature=0.0), SamplingParams(top_k=40)
         for depth in sorted(set(depths)):
             if not 1 <= depth <= max(1, self.pool.max_draft):
@@ -570,22 +576,22 @@ class ModelRunner:
         recurs = layout.uniform and self.recurs(layout.width, layout.width)
         return self._kept_or(key, forward, at_once=recurs)
 
-    def _draft_fn(self, key: tuple[object, ...], layout: Layout) -> Callable[..., Any]:
-        """The MTP head's forward for one batch shape, compiled like the trunk's: at once
-        when its shape recurs (uniform rows at a padded width, at most a verify row long:
-        a steady catch-up), else at its `compile_after`-th sighting (a prompt's backlog)."""
+    def _draft_fn(self, key: tuple[object, ...], layout: Layout, last: bool) -> Callable[..., Any]:
+        """The MTP head's forward for one batch shape (`last`: outputs of one picked position a
+        row), compiled like the trunk's: at once when it runs uniform rows at a padded width
+        (a steady catch-up), else at its `compile_after`-th sighting."""
         mtp = self._mtp()
 
         def draft(
             inputs: list[mx.array], kv: list[mx.array]
         ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-            tokens, hidden, *layout_arrays = inputs
+            tokens, hidden, picked, *layout_arrays = inputs
             lay = layout.with_arrays(layout_arrays)
-            logits, h, new = mtp(tokens, hidden, lay, AttentionState(kv[0], kv[1]))
+            state = AttentionState(kv[0], kv[1])
+            logits, h, new = mtp(tokens, hidden, lay, state, picked if last else None)
             return logits.astype(mx.float32), h, new.k, new.v
 
-        recurs = self.pad_widths and layout.uniform and self.recurs(layout.width, layout.width)
-        return self._kept_or(key, draft, at_once=recurs)
+        return self._kept_or(key, draft, at_once=self.pad_widths and layout.uniform)
 
     def _chain_fn(
         self, key: tuple[object, ...], layout: Layout, shaping: Shaping, depth: int
@@ -683,12 +689,19 @@ class ModelRunner:
         """Batch shapes whose forward is kept now (at most `MAX_FORWARDS`)."""
         return len(self._compiled)
 
-    def draft(self, batch: Sequence[DraftRow]) -> list[tuple[mx.array, mx.array]]:
-        """One batched MTP forward. Per row: (draft logits `[n, V]`, MTP hidden h' `[n, E]`)."""
+    def draft(
+        self, batch: Sequence[DraftRow], ends: Sequence[int] | None = None
+    ) -> list[tuple[mx.array, mx.array]]:
+        """One batched MTP forward. Per row: (draft logits `[n, V]`, MTP hidden h' `[n, E]`) of
+        its n tokens; with `ends`, of its token `ends[b] - 1` only (`[1, V]`, `[1, E]`: the
+        tokens after it are filler, and a catch-up wants only its last prediction — the head's
+        vocabulary product on one position a row, not on all). Every token's K/V is written."""
         self._mtp()
         slots = self._validate([r.slot for r in batch], [r.tokens for r in batch])
         starts = [r.start for r in batch]
         lengths = [len(r.tokens) for r in batch]
+        if ends is not None and not all(1 <= e <= n for e, n in zip(ends, lengths, strict=True)):
+            raise BatchError(f"draft ends {list(ends)} outside rows of {lengths} tokens")
         for slot, start, n in zip(slots, starts, lengths, strict=True):
             self._check_mtp_room(slot, start + n)
         past = self.past_for(max(starts))
@@ -698,16 +711,25 @@ class ModelRunner:
         layout = Layout.build([len(r.tokens) for r in rows], [r.start for r in rows])
         hidden = mx.concatenate([r.hidden for r in rows], axis=0)
         tokens = sum(len(r.tokens) for r in rows)
-        key = ("mtp", layout.rows, layout.width, layout.uniform, tokens, past)
-        fn = self._draft_fn(key, layout)
-        logits, h, k, v = fn([_token_array(rows), hidden, *layout.arrays()], [state.k, state.v])
-        if pads:  # uniform rows: the real ones are the first, their outputs the first tokens
-            T = sum(lengths)
-            logits, h, k, v = logits[:T], h[:T], k[: len(batch)], v[: len(batch)]
+        last = ends is not None
+        key = ("mtp", layout.rows, layout.width, layout.uniform, tokens, past, last)
+        fn = self._draft_fn(key, layout, last)
+        picked = layout.pack_index[:0]  # (no position picked: every one's outputs)
+        if ends is not None:
+            offsets = itertools.accumulate([len(r.tokens) for r in rows], initial=0)
+            row_ends = [*ends, *[ends[0]] * len(pads)]
+            picked = self.inputs.kept([o + e - 1 for o, e in zip(offsets, row_ends, strict=False)])
+        inputs = [_token_array(rows), hidden, picked, *layout.arrays()]
+        logits, h, k, v = fn(inputs, [state.k, state.v])
+        if pads:  # uniform rows: the real ones are the first, their outputs the first ones
+            n = len(batch) if last else sum(lengths)
+            logits, h, k, v = logits[:n], h[:n], k[: len(batch)], v[: len(batch)]
             layout = Layout.build(lengths, starts)
         new = AttentionState(k, v)
         mx.eval(logits, h, new.k, new.v)  # before the pool changes, as in `step`
         self._write_mtp(slots, starts, lengths, new, layout)
+        if last:
+            return [(logits[b : b + 1], h[b : b + 1]) for b in range(len(batch))]
         out, at = [], 0
         for n in lengths:
             out.append((logits[at : at + n], h[at : at + n]))

@@ -108,9 +108,9 @@ def run_recording_layouts(
             verify.append((tuple(len(r.tokens) for r in batch), tuple(r.capture for r in batch)))
         return step(batch)
 
-    def drafting(rows: list[DraftRow]) -> object:
+    def drafting(rows: list[DraftRow], ends: list[int] | None = None) -> object:
         catch_up.append(tuple(len(r.tokens) for r in rows))
-        return draft(rows)
+        return draft(rows, ends)
 
     spec.runner.step = recording  # type: ignore[method-assign]
     spec.runner.draft = drafting  # type: ignore[method-assign]

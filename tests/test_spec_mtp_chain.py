@@ -44,6 +44,15 @@ class RecordingMTPDrafter(MTPDrafter):
         super().__init__(runner, on_device=on_device, uniform=uniform)
         self.rounds: list[list[Draft]] = []
         self.kv: list[list[SlotSnapshot]] = []
+        self.catch_ups: list[int] = []  # the longest row of each catch-up forward
+        draft = runner.draft
+
+        def recording(rows: Sequence[DraftRow], ends: Sequence[int] | None = None) -> object:
+            if ends is not None:  # (the per-depth path's deeper forwards pass none)
+                self.catch_ups.append(max(len(r.tokens) for r in rows))
+            return draft(rows, ends)
+
+        runner.draft = recording  # type: ignore[method-assign]
 
     def draft(self, jobs: Sequence[DraftJob]) -> list[Draft]:
         out = super().draft(jobs)
@@ -58,14 +67,18 @@ def decode(
     compile: bool,
     slots: Sequence[tuple[SamplingParams, int]],
     uniform: bool = False,
+    chunk: int | None = None,
 ) -> tuple[RecordingMTPDrafter, list[list[int]], list[SlotId], SlotPool]:
     """ROUNDS speculative steps of every slot ("on", capped at its depth) after a prefill
     of a prompt of its own; the drafter, each slot's tokens, the slots, the pool.
-    `uniform`: the drafter's uniform rounds (`MTPDrafter.uniform`)."""
+    `uniform`: the drafter's uniform rounds (`MTPDrafter.uniform`); `chunk`: its longest
+    catch-up row (`MTPDrafter.CHUNK`)."""
     pool = SlotPool(model.config, len(slots), 96, mx.float32, max_draft=K)
     runner = ModelRunner(model, pool, compile=compile)
     runner.compile_after = 1  # compiled: every shape's first step too, not only recurring ones
     drafter = RecordingMTPDrafter(runner, on_device=on_device, uniform=uniform)
+    if chunk is not None:
+        drafter.CHUNK = chunk
     spec = Speculator(runner, K, [drafter])
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(0, 512, 5 + 3 * i)] for i in range(len(slots))]
@@ -99,6 +112,18 @@ def test_a_uniform_chain_draws_what_the_per_depth_path_draws(model: Model) -> No
     slots = [*SLOTS, (WARM, 0)]
     uniform = decode(model, True, True, slots, uniform=True)
     assert_same_rounds(slots, uniform, decode(model, False, True, slots))
+
+
+def test_a_backlog_longer_than_a_chunk_is_caught_up_in_pieces(model: Model) -> None:
+    """Uniform rounds feed a catch-up longer than `CHUNK` tokens in pieces of `CHUNK` (the
+    prompts here, 5 to 20 tokens, in pieces of 6, the rest in rows of K + 1 with filler):
+    the same drafts, q, outputs and MTP K/V as one ragged forward over every token."""
+    slots = [*SLOTS, (WARM, 0)]
+    pieces = decode(model, True, True, slots, uniform=True, chunk=6)
+    # the prompts' catch-up: 3 forwards of 6-token rows and one of K + 1 (the longest
+    # prompt's last 2 tokens); then one of K + 1 a round
+    assert pieces[0].catch_ups == [6] * 3 + [K + 1] * ROUNDS
+    assert_same_rounds(slots, pieces, decode(model, False, True, slots))
 
 
 Decoded = tuple[RecordingMTPDrafter, list[list[int]], list[SlotId], SlotPool]

@@ -123,23 +123,21 @@ def test_uniform_mtp_rounds_keep_greedy_output(model: Model) -> None:
     assert sum(s.verify_rounds for s in run.stats) > 0
 
 
-class SteadyDrafts:
-    """Counts the MTP head's forwards of a shape not compiled yet among its steady ones —
-    every draft chain, and every catch-up of at most a verify row's tokens (not a prompt's
-    backlog) — and the row counts those forwards met."""
+class ColdDrafts:
+    """Counts the MTP head's forwards (catch-ups and draft chains) of a shape not compiled
+    yet, and the row counts its forwards met."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner, self.cold, self.rows = runner, 0, set[int]()
         for name in ("draft", "draft_chain"):
-            setattr(runner, name, self._counted(getattr(runner, name), name == "draft"))
+            setattr(runner, name, self._counted(getattr(runner, name)))
 
-    def _counted(self, fn: Callable[..., Any], catch_up: bool) -> Callable[..., Any]:
+    def _counted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(rows: Any, *args: Any) -> Any:
             before = self.runner.cold_steps
             out = fn(rows, *args)
-            if not catch_up or max(len(r.tokens) for r in rows) <= K + 1:
-                self.cold += self.runner.cold_steps - before
-                self.rows.add(len(rows))
+            self.cold += self.runner.cold_steps - before
+            self.rows.add(len(rows))
             return out
 
         return run
@@ -149,9 +147,9 @@ def test_precompiled_mtp_shapes_serve_a_drifting_batch_without_a_cold_draft(mode
     """`Speculator.precompile` with an MTP drafter compiles the head's steady shapes too —
     its catch-up and its draft chains at every padded width, depth and past bucket — so
     requests that end one after another (4, 3, 2, 1 slots drafting: their rows padded to
-    4, 4, 2, 1) across past buckets meet no head shape not compiled yet, but the prompts'
-    longer catch-ups; greedy requests decode what plain decoding does. Without the
-    precompile the same run meets cold head shapes."""
+    4, 4, 2, 1) across past buckets meet no head shape not compiled yet, their prompts'
+    catch-ups included (rows of 64 tokens); greedy requests decode what plain decoding
+    does. Without the precompile the same run meets cold head shapes."""
     slots, context = 4, 128
     requests = [
         Request(p, n, params=GREEDY if i != 2 else SamplingParams(temperature=0.8, top_k=5))
@@ -165,16 +163,17 @@ def test_precompiled_mtp_shapes_serve_a_drifting_batch_without_a_cold_draft(mode
         spec.use_uniform_shapes(True)  # as on a GPU
         if precompiled:
             # widths 1, 2, 4 x past buckets 0, 64, 128: decode; verify at depths 1-4; the
-            # catch-up; chains 1 (no past), 2 and 4 deep (pasts 64, 128), greedy or truncating
-            mtp = 3 * 3 + 3 * 2 + 3 * 3 * 2 + 3 * 2 * 2
+            # catch-up of K + 1 and of 64 tokens a row (pasts 0, 64); chains 1 (no past), 2
+            # and 4 deep (pasts 64, 128), greedy or truncating
+            mtp = 3 * 3 + 3 * 2 + 3 * 2 + 3 * 3 * 2 + 3 * 2 * 2
             assert spec.precompile() == 3 * 3 + K * 3 * 3 + mtp
             assert spec.precompile() == 0
-        steady = SteadyDrafts(runner)
+        drafts = ColdDrafts(runner)
         run = generate(spec, requests)
         for r, tokens in zip(requests, run.tokens, strict=True):
             if r.params is GREEDY:
                 assert tokens == greedy_tokens(model, r.prompt, r.max_tokens)
-        assert {1, 2, 3, 4} <= steady.rows  # the batch drifted through every width
-        cold_by_precompile.append(steady.cold)
+        assert {1, 2, 3, 4} <= drafts.rows  # the batch drifted through every width
+        cold_by_precompile.append(drafts.cold)
     assert cold_by_precompile[0] == 0
     assert cold_by_precompile[1] > 0

@@ -451,15 +451,24 @@ class MTPHead:
         self.block = DecoderLayer(ld, L, cfg, freqs, linear=False)
 
     def __call__(
-        self, tokens: mx.array, hidden: mx.array, layout: Layout, state: AttentionState
+        self,
+        tokens: mx.array,
+        hidden: mx.array,
+        layout: Layout,
+        state: AttentionState,
+        picked: mx.array | None = None,
     ) -> tuple[mx.array, mx.array, AttentionState]:
-        """tokens `[N]`, hidden `[N, E]` packed like the trunk's rows, at the hidden's positions."""
+        """tokens `[N]`, hidden `[N, E]` packed like the trunk's rows, at the hidden's positions:
+        (logits, h') of every position, or of the packed positions `picked` only (the K/V
+        of every position either way)."""
         e = self.model.embed_tokens(tokens, self.embed)
         u = mx.concatenate(
             [rms_norm(e, self.enorm, self.eps), rms_norm(hidden, self.hnorm, self.eps)], axis=-1
         )
         u, f, new, _ = self.block(matmul(u, self.eh_proj), layout, state)
         assert isinstance(new, AttentionState)
+        if picked is not None:
+            u, f = u[picked], f[picked]
         _, h = add_rms_norm(u, f, self.norm, self.eps, self.norm32)
         return matmul(h, self.head), h, new
 

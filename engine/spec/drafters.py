@@ -368,17 +368,11 @@ class MTPDrafter(Drafter):
             tokens = j.d.history[t.start + 1 : j.length + 1]
             rows.append(DraftRow(j.d.slot, tokens, mx.concatenate(t.hidden, axis=0), t.start))
             self._tails[j.d.slot] = _Tail(j.length)
-        ends = [len(r.tokens) for r in rows]
-        self.caught_up = max(ends)
-        if self.uniform:
-            rows = _padded(rows, self.width(self.caught_up), self.runner.pool.max_context)
-        drafted = self.runner.draft(rows)
-        for r, n in zip(rows, ends, strict=True):
-            if len(r.tokens) > n:  # the filler's entries are not the head's to keep
-                self.runner.pool.truncate_mtp(r.slot, r.start + n)
+        self.caught_up = max(len(r.tokens) for r in rows)
+        drafted = self._catch_up(rows)
         caught = [
-            _Chain(jobs[i], out[i], logits[n - 1 : n], hidden[n - 1 : n])
-            for i, n, (logits, hidden) in zip(live, ends, drafted, strict=True)
+            _Chain(jobs[i], out[i], logits, hidden)
+            for i, (logits, hidden) in zip(live, drafted, strict=True)
         ]
         chains = [c for c in caught if c.job.k]
         if self.on_device:
@@ -400,19 +394,59 @@ class MTPDrafter(Drafter):
         return out
 
     def precompile(self, max_draft: int) -> int:
-        """With uniform rounds, the steady catch-up (rows `width(1)` long) and the draft
-        chain of every depth `depth` makes, at every padded width and past bucket
-        (`ModelRunner.precompile_mtp`); a backlog's longer catch-up is compiled when met."""
+        """With uniform rounds, the catch-up's two row lengths (`width`: a verify step's
+        tokens, and `CHUNK`) and the draft chain of every depth `depth` makes, at every
+        padded width and past bucket (`ModelRunner.precompile_mtp`)."""
         if not self.uniform or not max_draft:
             return 0
         depths = {self.depth(k) for k in range(1, max_draft + 1)}
-        return self.runner.precompile_mtp(self.width(1), sorted(depths))
+        return self.runner.precompile_mtp([self.width(1), self.CHUNK], sorted(depths))
+
+    def _catch_up(self, rows: list[DraftRow]) -> list[tuple[mx.array, mx.array]]:
+        """Feed the head every row's tokens; per row its last position's (logits `[1, V]`,
+        h' `[1, E]`). Uniform rounds run rows `width` long, filler after the real tokens
+        (its entries truncated after), and a backlog longer than `CHUNK` in pieces of
+        `CHUNK` (of `width(1)` where a chunk would pass the context) — so every catch-up
+        has one of two row lengths, both precompiled — where
+        one forward as long as the longest backlog (a prompt's, or what built up while
+        "auto" drafted nothing) met a shape not compiled yet at nearly every occasion."""
+        runner, context = self.runner, self.runner.pool.max_context
+        if not self.uniform:
+            return runner.draft(rows, [len(r.tokens) for r in rows])
+        out: list[tuple[mx.array, mx.array] | None] = [None] * len(rows)
+        done = [0] * len(rows)  # tokens of each row fed so far
+        while True:
+            left = [i for i, r in enumerate(rows) if done[i] < len(r.tokens)]
+            if not left:
+                break
+            width = self.width(max(len(rows[i].tokens) - done[i] for i in left))
+            if any(rows[i].start + done[i] + width > context for i in left):
+                width = self.width(1)  # a chunk past the context: verify-sized pieces
+            pieces, ends = [], []
+            for i in left:
+                r, at = rows[i], done[i]
+                n = min(width, len(r.tokens) - at)
+                pieces.append(
+                    DraftRow(r.slot, r.tokens[at : at + n], r.hidden[at : at + n], r.start + at)
+                )
+                ends.append(n)
+            padded = _padded(pieces, width, context)
+            for i, piece, n, res in zip(
+                left, padded, ends, runner.draft(padded, ends), strict=True
+            ):
+                if len(piece.tokens) > n:  # the filler's entries are not the head's to keep
+                    runner.pool.truncate_mtp(piece.slot, piece.start + n)
+                done[i] += n
+                out[i] = res
+        return [o for o in out if o is not None]
+
+    CHUNK = 64  # the longest uniform catch-up row: a longer backlog is fed in pieces
 
     def width(self, n: int) -> int:
         """How long uniform catch-up rows are when the longest needs `n`: one verify step's
-        most (the pool's capture depth + 1), else the next power of two (a backlog)."""
+        most (the pool's capture depth + 1), else `CHUNK` (a backlog, in pieces)."""
         steady = self.runner.pool.max_draft + 1
-        return steady if n <= steady else 1 << (n - 1).bit_length()
+        return steady if n <= steady else self.CHUNK
 
     def depth(self, k: int) -> int:
         """How deep a uniform draft chain draws when the deepest draft is `k`: the next power
