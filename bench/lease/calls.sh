@@ -3,12 +3,13 @@
 # machine, `bash bench/lease/calls.sh cN`, each call's output under $OUT (one file per step,
 # each step under its own timeout, so a call cut short keeps what it measured).
 #   c1  carry .gpu_a                 MLX part 1 to /tmp/keep
-#   c2  carry .gpu_b .gpu_w          MLX, wheels, models; the GPU tests of unrun changes
-#   c3  carry .gpu_llama             llama.cpp's build (background); what precompiling
+#   c2  carry .gpu_b                 MLX, models (.gpu_w does not fit beside .gpu_b: 64 MiB)
+#   c3  carry .gpu_llama .gpu_w      wheels; llama.cpp's build (background); what precompiling
 #                                    verify and MTP shapes costs; A/B: step inputs on the
 #                                    device vs host, N = 8, 64, two passes
 #   c4  -                            the suite, 0.8B and 9B, beside llama.cpp and mlx-lm
-#   c5  -                            speculation on the demo model, every steady shape
+#   c5  -                            the GPU tests of unrun changes (MTP pads, step inputs);
+#                                    speculation on the demo model, every steady shape
 #                                    precompiled (MTP's too)
 #   c6  -                            A/B: per-layer recurrent-state writes, N = 64
 # About 1,800 s of device time in all: c6 is the first to drop. c3 lasts about as long as
@@ -29,12 +30,9 @@ c1)
 c2)
   source .gpu_b/install-mlx-cuda.sh
   T=$(date +%s); source bench/lease/setup.sh > "$OUT/c2_setup.txt" 2>&1
-  echo "setup $(( $(date +%s) - T )) s"; ls -la $M
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_step_inputs.py \
-    tests/test_spec_shapes.py > "$OUT/c2_tests.txt" 2>&1
-  tail -n 5 "$OUT/c2_tests.txt" ;;
+  echo "setup $(( $(date +%s) - T )) s"; ls -la $M ;;
 c3)
-  source bench/lease/setup.sh > "$OUT/c3_setup.txt" 2>&1
+  source bench/lease/setup.sh > "$OUT/c3_setup.txt" 2>&1  # .gpu_w's wheels too
   timeout 200 python3 bench/precompile_time.py --model $M/qwen3.5-0.8b-f16.gguf --slots 8 \
     --context 4096 --verify 4 --mtp --json "$OUT/c3_precompile.json" > "$OUT/c3_precompile.txt" 2>&1
   tail -n 20 "$OUT/c3_precompile.txt"
@@ -50,6 +48,9 @@ c4)
     > "$OUT/c4_suite.log" 2>&1
   tail -n 30 "$OUT/suite/gpu_suite.md" ;;
 c5)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_step_inputs.py \
+    tests/test_spec_shapes.py > "$OUT/c5_tests.txt" 2>&1
+  tail -n 5 "$OUT/c5_tests.txt"
   timeout 330 python3 bench/spec_decode.py --model models/slotserve-demo.gguf --k 4 --n 1,8 --gen 64 \
     --repeats 2 --compile --precompile --configs plain,ngram,mtp --json "$OUT/c5_spec.json" \
     > "$OUT/c5_spec.md" 2>&1
@@ -58,6 +59,20 @@ c6)
   sweep c6_ssm 250 --n 64 --setting stacked:ARGS=--overlap \
     --setting layers:SLOTSERVE_POOL_SSM_WRITE=layers,ARGS=--overlap --setting stacked_b:ARGS=--overlap \
     --setting layers_b:SLOTSERVE_POOL_SSM_WRITE=layers,ARGS=--overlap ;;
+c7)  # a second, short lease after c1 (carry .gpu_b): MLX, then speculation again
+  source .gpu_b/install-mlx-cuda.sh
+  timeout 330 python3 bench/spec_decode.py --model models/slotserve-demo.gguf --k 4 --n 1,8 --gen 64 \
+    --repeats 2 --compile --precompile --configs plain,ngram,mtp --json "$OUT/c7_spec.json" \
+    > "$OUT/c7_spec.md" 2>&1
+  tail -n 30 "$OUT/c7_spec.md" ;;
+c8)  # carry .gpu_w: the MTP tests on the GPU; what precompiling MTP's shapes costs now
+  LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > "$OUT/c8_setup.txt" 2>&1
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_spec_mtp_chain.py \
+    tests/test_spec_shapes.py > "$OUT/c8_tests.txt" 2>&1
+  tail -n 5 "$OUT/c8_tests.txt"
+  timeout 200 python3 bench/precompile_time.py --model $M/qwen3.5-0.8b-f16.gguf --slots 8 \
+    --context 4096 --verify 4 --mtp --json "$OUT/c8_precompile.json" > "$OUT/c8_precompile.txt" 2>&1
+  tail -n 20 "$OUT/c8_precompile.txt" ;;
 *)
-  echo "usage: bash bench/lease/calls.sh c1|c2|c3|c4|c5|c6" >&2; exit 2 ;;
+  echo "usage: bash bench/lease/calls.sh c1|c2|c3|c4|c5|c6|c7|c8" >&2; exit 2 ;;
 esac

@@ -17,7 +17,8 @@ if [ -f .gpu_llama/llama.tgz ] && [ ! -d /tmp/llama/llama.cpp ]; then
     echo $? > /tmp/llama/rc' > /dev/null 2>&1 < /dev/null &)
 fi
 mkdir -p /tmp/models
-for spec in qwen3.5-0.8b:f16 qwen3.5-9b:q8_0; do  # the project's writer, through its CLI
+# LEASE_MODELS: which to write (default both; the 9B takes ~3 minutes)
+for spec in ${LEASE_MODELS:-qwen3.5-0.8b:f16 qwen3.5-9b:q8_0}; do  # the project's writer, its CLI
   out=/tmp/models/${spec%%:*}-${spec##*:}.gguf
   [ -f "$out" ] || python3 -m transport.cli make-model "$out" --preset "${spec%%:*}" --quant "${spec##*:}"
 done
