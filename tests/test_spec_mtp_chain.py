@@ -29,6 +29,9 @@ TRUNCATED = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, see
 PENALIZED = SamplingParams(temperature=0.0, repetition_penalty=1.3)
 # Per slot: (sampling, draft depth cap); the depths differ so chains end at different depths.
 SLOTS = [(GREEDY, 4), (WARM, 1), (TRUNCATED, 3), (GREEDY, 2), (WARM, 4)]
+# Paths that batch other row counts run other product kernels: on this CPU they agree to
+# 1e-6; on the H200 one probability of 1,536 differed by 1.1e-6 (session 13).
+ATOL = 1e-6 if mx.default_device() == mx.cpu else 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +149,7 @@ def assert_same_rounds(
                 assert a.q is None and b.q is None
                 continue
             assert a.q is not None and b.q is not None
-            np.testing.assert_allclose(np.array(a.q), np.array(b.q), rtol=0, atol=1e-6)
+            np.testing.assert_allclose(np.array(a.q), np.array(b.q), rtol=0, atol=ATOL)
     # Sampled slots really sampled: some draft is not the argmax of its q.
     sampled = [d for r in chain.rounds for d, (p, _) in zip(r, slots, strict=True) if not p.greedy]
     assert any(
@@ -168,7 +171,7 @@ def assert_same_rounds(
         assert x_snap.mtp_length == y_snap.mtp_length
         assert x_snap.mtp_kv is not None and y_snap.mtp_kv is not None
         for x, y in zip(x_snap.mtp_kv, y_snap.mtp_kv, strict=True):
-            np.testing.assert_allclose(x, y, rtol=0, atol=1e-6)
+            np.testing.assert_allclose(x, y, rtol=0, atol=ATOL)
 
 
 def test_penalized_slots_draw_on_the_host_beside_chained_ones(model: Model) -> None:
