@@ -726,7 +726,11 @@ class ModelRunner:
             logits, h, k, v = logits[:n], h[:n], k[: len(batch)], v[: len(batch)]
             layout = Layout.build(lengths, starts)
         new = AttentionState(k, v)
-        mx.eval(logits, h, new.k, new.v)  # before the pool changes, as in `step`
+        # Queued, not waited for (unlike `step`): the head's K/V only ever makes drafts, which
+        # the trunk verifies, so nothing a client sees depends on it; and the draft chain that
+        # follows a catch-up is built on the host while the device runs it, where a wait here
+        # left the device idle for that building, once a round.
+        mx.async_eval(logits, h, new.k, new.v)
         self._write_mtp(slots, starts, lengths, new, layout)
         if last:
             return [(logits[b : b + 1], h[b : b + 1]) for b in range(len(batch))]
