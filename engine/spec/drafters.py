@@ -406,10 +406,10 @@ class MTPDrafter(Drafter):
         """Feed the head every row's tokens; per row its last position's (logits `[1, V]`,
         h' `[1, E]`). Uniform rounds run rows `width` long, filler after the real tokens
         (its entries truncated after), and a backlog longer than `CHUNK` in pieces of
-        `CHUNK` (of `width(1)` where a chunk would pass the context) — so every catch-up
-        has one of two row lengths, both precompiled — where
-        one forward as long as the longest backlog (a prompt's, or what built up while
-        "auto" drafted nothing) met a shape not compiled yet at nearly every occasion."""
+        `CHUNK` (of `width(1)` where a chunk would pass the context): every catch-up has
+        one of two row lengths, both precompiled. (One forward as long as the longest
+        backlog — a prompt's, or what built up while "auto" drafted nothing — met a shape
+        not compiled yet at nearly every occasion: on the H200, seconds each.)"""
         runner, context = self.runner, self.runner.pool.max_context
         if not self.uniform:
             return runner.draft(rows, [len(r.tokens) for r in rows])
