@@ -83,15 +83,19 @@ def repeats_itself(tokens: list[int], share: float = 0.5) -> bool:
     return hits >= share * len(tokens)
 
 
+def synthetic_prompts(model: Model, count: int) -> list[list[int]]:
+    """The synthetic prompts in order: a random phrase of 3-6 tokens said three times."""
+    rng = np.random.default_rng(0)
+    return [
+        [int(t) for t in rng.integers(0, model.config.n_vocab, 3 + i % 4)] * 3 for i in range(count)
+    ]
+
+
 def prompt_sets(model: Model, n: int, gen: int) -> dict[str, list[list[int]]]:
     """`fresh`: the first n prompts; `loops`: the first n whose greedy continuation loops."""
-    rng = np.random.default_rng(0)
-    fresh: list[list[int]] = []
+    fresh = synthetic_prompts(model, n)
     loops: list[list[int]] = []
-    for i in range(100 * n):
-        prompt = [int(t) for t in rng.integers(0, model.config.n_vocab, 3 + i % 4)] * 3
-        if len(fresh) < n:
-            fresh.append(prompt)
+    for prompt in synthetic_prompts(model, 100 * n):
         if len(loops) < n and repeats_itself(greedy_tokens(model, prompt, gen)):
             loops.append(prompt)
         if len(loops) == n:

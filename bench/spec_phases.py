@@ -1,5 +1,6 @@
 """Where a speculative decode step's time goes: planning (drafting included), the forward,
-the resolve (acceptance and commit) and, inside it, the rollback — per configuration, at N
+the resolve (acceptance and commit) and, inside it, the rollback; inside the plan, the MTP
+head's catch-up and draft chain — per configuration, at N
 rows, through the same `Speculator` and offline loop `spec_decode.py` measures.
 
 A verify step costs more than a plain one on the GPU (session 8: 4.9 against 2.0 ms at
@@ -15,7 +16,7 @@ shape met once is compiled inside the timed run — session 9's MTP plan of 249-
 on the H200 was mostly that). `--uniform` forces uniform rows (the default of a compiled
 runner on a GPU) on any device.
 
-    python bench/spec_phases.py --model models/slotserve-demo.gguf --ids IDS --n 8 --compile
+    python bench/spec_phases.py --model models/slotserve-demo.gguf [--ids IDS] --n 8 --compile
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ from typing import Any
 
 import harness
 import mlx.core as mx
-from spec_decode import held_out_prompts, speculator
+from spec_decode import held_out_prompts, speculator, synthetic_prompts
 
 from engine.models.qwen35 import load_model
 from engine.spec.offline import Request, generate
 
 CONFIGS = [("plain", "off"), ("ngram", "on"), ("ngram", "auto"), ("mtp", "on"), ("mtp", "auto")]
-PHASES = ("plan", "step", "resolve", "rollback")
+PHASES = ("plan", "catch-up", "chain", "step", "resolve", "rollback")
 
 
 def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: Any) -> dict:
@@ -52,6 +53,10 @@ def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: 
         return max(len(r.tokens) for r in batch) <= K + 1
 
     harness.time_calls(spec, "plan", spent, "plan")
+    # inside the plan: the MTP head's catch-up (queued, so its device time lands in what
+    # waits next) and its draft chain (which waits for its tokens)
+    harness.time_calls(runner, "draft", spent, "catch-up")
+    harness.time_calls(runner, "draft_chain", spent, "chain")
     harness.time_calls(runner, "step", spent, "step", decode_step)
     harness.time_calls(spec, "resolve", spent, "resolve")
     harness.time_calls(pool, "rollback_many", spent, "rollback")
@@ -71,7 +76,11 @@ def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--ids", type=Path, required=True, help="packed ids (ids.npz): held-out prompts")
+    p.add_argument(
+        "--ids",
+        type=Path,
+        help="packed ids (ids.npz): held-out prompts (default: spec_decode's synthetic 'fresh' ones)",
+    )
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--gen", type=int, default=32)
@@ -79,11 +88,19 @@ def main() -> None:
     p.add_argument("--compile", action="store_true")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs first")
     p.add_argument("--uniform", action="store_true", help="uniform rows (a GPU's default)")
+    p.add_argument(
+        "--precompile",
+        action="store_true",
+        help="with --compile: every steady shape compiled first (the daemon's precompile = all)",
+    )
     p.add_argument("--configs", default=",".join(f"{d}:{m}" for d, m in CONFIGS))
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     model = load_model(args.model)
-    prompts = held_out_prompts(model, args.ids, args.n, args.prompt_len)["heldout"]
+    if args.ids is not None:
+        prompts = held_out_prompts(model, args.ids, args.n, args.prompt_len)["heldout"]
+    else:
+        prompts = synthetic_prompts(model, args.n)
     rows = []
     print(
         f"{args.model.name}, N = {args.n}, K = {args.k}, {args.gen} tokens, {mx.default_device()}"

@@ -12,6 +12,8 @@
 #                                    speculation on the demo model, every steady shape
 #                                    precompiled (MTP's too)
 #   c6  -                            A/B: per-layer recurrent-state writes, N = 64
+#   c7, c8 (session 13's second lease) and c9 (speculation's phases) are described where
+#   they are defined.
 # About 1,800 s of device time in all: c6 is the first to drop. c3 lasts about as long as
 # the build (~6 min; bench/lease/README.md): send it with a 600 s limit.
 set -u
@@ -73,6 +75,13 @@ c8)  # carry .gpu_w: the MTP tests on the GPU; what precompiling MTP's shapes co
   timeout 200 python3 bench/precompile_time.py --model $M/qwen3.5-0.8b-f16.gguf --slots 8 \
     --context 4096 --verify 4 --mtp --json "$OUT/c8_precompile.json" > "$OUT/c8_precompile.txt" 2>&1
   tail -n 20 "$OUT/c8_precompile.txt" ;;
+c9)  # where a speculative round's time goes on the GPU, MTP's catch-up and chain apart
+  for n in 1 8; do
+    timeout 200 python3 bench/spec_phases.py --model models/slotserve-demo.gguf --n $n --gen 64 \
+      --compile --precompile --configs plain:off,ngram:auto,mtp:on,mtp:auto \
+      --json "$OUT/c9_phases_n$n.json" > "$OUT/c9_phases_n$n.md" 2>&1
+    tail -n 6 "$OUT/c9_phases_n$n.md"
+  done ;;
 *)
-  echo "usage: bash bench/lease/calls.sh c1|c2|c3|c4|c5|c6|c7|c8" >&2; exit 2 ;;
+  echo "usage: bash bench/lease/calls.sh c1|...|c9" >&2; exit 2 ;;
 esac
