@@ -347,7 +347,7 @@ class ModelRunner:
                     mx.arange(n - 1, width * n, n, dtype=mx.int32),  # each row's last
                     *layout.arrays(),
                 ]
-                out = self._draft_fn(key, layout, True)(inputs, [state.k, state.v])
+                out = self._draft_fn(key, layout, True, at_once=True)(inputs, [state.k, state.v])
                 made += self._pin(key, *out)
         greedy, truncating = SamplingParams(temperature=0.0), SamplingParams(top_k=40)
         for depth in sorted(set(depths)):
@@ -576,10 +576,11 @@ class ModelRunner:
         recurs = layout.uniform and self.recurs(layout.width, layout.width)
         return self._kept_or(key, forward, at_once=recurs)
 
-    def _draft_fn(self, key: tuple[object, ...], layout: Layout, last: bool) -> Callable[..., Any]:
+    def _draft_fn(
+        self, key: tuple[object, ...], layout: Layout, last: bool, at_once: bool
+    ) -> Callable[..., Any]:
         """The MTP head's forward for one batch shape (`last`: outputs of one picked position a
-        row), compiled like the trunk's: at once when it runs uniform rows at a padded width
-        (a steady catch-up), else at its `compile_after`-th sighting."""
+        row), compiled like the trunk's: `at_once`, or at its `compile_after`-th sighting."""
         mtp = self._mtp()
 
         def draft(
@@ -591,7 +592,7 @@ class ModelRunner:
             logits, h, new = mtp(tokens, hidden, lay, state, picked if last else None)
             return logits.astype(mx.float32), h, new.k, new.v
 
-        return self._kept_or(key, draft, at_once=self.pad_widths and layout.uniform)
+        return self._kept_or(key, draft, at_once=at_once)
 
     def _chain_fn(
         self, key: tuple[object, ...], layout: Layout, shaping: Shaping, depth: int
@@ -713,7 +714,10 @@ class ModelRunner:
         tokens = sum(len(r.tokens) for r in rows)
         last = ends is not None
         key = ("mtp", layout.rows, layout.width, layout.uniform, tokens, past, last)
-        fn = self._draft_fn(key, layout, last)
+        # a steady catch-up (uniform rows at a padded width, a verify row long) recurs every
+        # round: compiled at once; a backlog's pieces, unless precompiled, the second time
+        steady = self.pad_widths and layout.uniform and self.recurs(layout.width, layout.width)
+        fn = self._draft_fn(key, layout, last, at_once=steady)
         picked = layout.pack_index[:0]  # (no position picked: every one's outputs)
         if ends is not None:
             offsets = itertools.accumulate([len(r.tokens) for r in rows], initial=0)
