@@ -328,8 +328,9 @@ class ModelRunner:
     def precompile_mtp(self, tokens: Sequence[int], depths: Sequence[int]) -> int:
         """`precompile_decode` for the MTP head's steady shapes (`MTPDrafter` with uniform
         rounds): its catch-up forward of rows `tokens` long (each of them; the last position's
-        outputs), and its draft chain `depth` deep for each of `depths`, greedy-only and
-        truncating — every padded width and past bucket (`_mtp_pads`). Read only; 0 for an
+        outputs), and its draft chain `depth` deep for each of `depths`, for greedy rows
+        only, sampled ones, and truncating ones — every padded width and past bucket
+        (`_mtp_pads`). Read only; 0 for an
         eager runner or one not padding widths."""
         self._mtp()
         if not self.pad_widths:
@@ -349,7 +350,11 @@ class ModelRunner:
                 ]
                 out = self._draft_fn(key, layout, True, at_once=True)(inputs, [state.k, state.v])
                 made += self._pin(key, *out)
-        greedy, truncating = SamplingParams(temperature=0.0), SamplingParams(top_k=40)
+        shapings = [  # greedy only; sampled; sampled with truncation
+            SamplingParams(temperature=0.0),
+            SamplingParams(temperature=1.0),
+            SamplingParams(top_k=40),
+        ]
         for depth in sorted(set(depths)):
             if not 1 <= depth <= max(1, self.pool.max_draft):
                 raise BatchError(f"MTP chain depth {depth} outside 1..{self.pool.max_draft}")
@@ -365,9 +370,9 @@ class ModelRunner:
                 if depth > 1:
                     state = self.pool.read_mtp([], [], past, slots)
                     kv = [state.k, state.v]
-                for params in (greedy, truncating):
+                for params in shapings:
                     shaping = Shaping.of([params] * width)
-                    key = ("mtp-chain", width, depth, past, shaping.truncate)
+                    key = ("mtp-chain", width, depth, past, *shaping.key)
                     inputs = [
                         mx.zeros((width, V), dtype=mx.float32),
                         mx.zeros((width, E), dtype=self.model.dtype),
@@ -608,8 +613,18 @@ class ModelRunner:
             logits, hidden, uniforms, *rest = inputs
             lay = layout.with_arrays(rest[:5])
             shape = shaping.with_arrays(rest[5:])
-            q = shape(logits)
-            tokens, qs, ks, vs = [draw(q, uniforms[:, 0])], [q], [], []
+
+            def drawn(logits: mx.array, u: mx.array) -> mx.array:
+                # all greedy: the argmax, which is what a draw from the one-hot q gives,
+                # without the distribution's kernels over the vocabulary (nor q: a point mass)
+                if shape.greedy_only:
+                    return mx.argmax(logits, axis=-1).astype(mx.int32)
+                q = shape(logits)
+                qs.append(q)
+                return draw(q, u)
+
+            qs: list[mx.array] = []
+            tokens, ks, vs = [drawn(logits, uniforms[:, 0])], [], []
             past = AttentionState(kv[0], kv[1]) if kv else None
             for d in range(1, depth):
                 at = dataclasses.replace(lay, row_starts=lay.row_starts + (d - 1))
@@ -618,10 +633,9 @@ class ModelRunner:
                 ks.append(new.k)
                 vs.append(new.v)
                 past = _written(past, new, at.row_starts)
-                q = shape(logits.astype(mx.float32))
-                tokens.append(draw(q, uniforms[:, d]))
-                qs.append(q)
-            return mx.stack(tokens, axis=1), mx.stack(qs, axis=1), ks, vs
+                tokens.append(drawn(logits.astype(mx.float32), uniforms[:, d]))
+            q = mx.stack(qs, axis=1) if qs else uniforms[:, :0]  # (no q: an empty array)
+            return mx.stack(tokens, axis=1), q, ks, vs
 
         return self._kept_or(key, chain, at_once=self.pad_widths)
 
@@ -746,11 +760,12 @@ class ModelRunner:
 
     def draft_chain(
         self, rows: Sequence[ChainRow], shaping: Shaping, depth: int | None = None
-    ) -> list[tuple[list[int], mx.array]]:
+    ) -> list[tuple[list[int], mx.array | None]]:
         """Every row's MTP draft chain in one graph, evaluated once; `shaping` (one row per
         chain) makes each depth's distribution q. The head's K/V of the deeper forwards is
         written to the pool at `start ..` (provisional entries, as `draft` writes them).
-        Per row: (its `depth` tokens, q `[depth, V]`). `depth`: how deep the graph draws
+        Per row: (its `depth` tokens, q `[depth, V]`, or None when every row is greedy:
+        each token its argmax, a point mass). `depth`: how deep the graph draws
         (default: the deepest row) — a fixed depth keeps one compiled shape whatever the
         rows' depths; what a row draws past its own (a row of depth 0: all) is dropped."""
         self._mtp()
@@ -780,7 +795,7 @@ class ModelRunner:
         uniforms = np.zeros((len(rows), K), dtype=np.float32)
         for b, r in enumerate(rows):
             uniforms[b, : r.depth] = r.uniforms[: r.depth]
-        key = ("mtp-chain", layout.rows, K, past, shaping.truncate)
+        key = ("mtp-chain", layout.rows, K, past, *shaping.key)
         fn = self._chain_fn(key, layout, shaping, K)
         inputs = [
             mx.concatenate([r.logits for r in rows]),
@@ -807,7 +822,11 @@ class ModelRunner:
             )
         drawn = np.array(tokens)
         return [
-            ([int(t) for t in drawn[b, : r.depth]], q[b, : r.depth]) for b, r in enumerate(rows)
+            (
+                [int(t) for t in drawn[b, : r.depth]],
+                None if shaping.greedy_only else q[b, : r.depth],
+            )
+            for b, r in enumerate(rows)
         ]
 
     def _validate(

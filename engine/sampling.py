@@ -165,34 +165,42 @@ class Shaping:
     distributions without retracing (`ModelRunner.draft_chain`).
 
     `arrays`: greedy `[N, 1]` bool, temperature `[N, 1]`, and when `truncate` (some sampled
-    row truncates) top_k, top_p and min_p `[N, 1]`.
+    row truncates) top_k, top_p and min_p `[N, 1]`. `greedy_only`: every row is greedy (a
+    static part too: such rows' draws are their argmax, their q a point mass nobody needs).
     """
 
     truncate: bool
     arrays: tuple[mx.array, ...]
+    greedy_only: bool = False
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams]) -> Shaping:
         greedy = mx.array([p.greedy for p in params])[:, None]
         temp = mx.array([p.temperature if not p.greedy else 1.0 for p in params])[:, None]
         if not any(p.top_k or p.top_p < 1.0 or p.min_p > 0.0 for p in params if not p.greedy):
-            return cls(False, (greedy, temp))
+            return cls(False, (greedy, temp), all(p.greedy for p in params))
         every = np.iinfo(np.int32).max  # top_k 0 (off) keeps every rank
         top_k = mx.array([p.top_k if p.top_k > 0 else every for p in params])[:, None]
         top_p = mx.array([p.top_p for p in params], dtype=mx.float32)[:, None]
         min_p = mx.array([p.min_p for p in params], dtype=mx.float32)[:, None]
         return cls(True, (greedy, temp, top_k, top_p, min_p))
 
+    @property
+    def key(self) -> tuple[bool, bool]:
+        """The static part a compiled graph keys on."""
+        return self.truncate, self.greedy_only
+
     def padded(self, n: int) -> Shaping:
         """The same rows and `n` more shaped as the first (rows padding a batch)."""
         return Shaping(
             self.truncate,
             tuple(mx.concatenate([a, mx.repeat(a[:1], n, axis=0)]) for a in self.arrays),
+            self.greedy_only,
         )
 
     def with_arrays(self, arrays: Sequence[mx.array]) -> Shaping:
         """The same static shape over other arrays (as a compiled function receives them)."""
-        return Shaping(self.truncate, tuple(arrays))
+        return Shaping(self.truncate, tuple(arrays), self.greedy_only)
 
     def __call__(self, logits: mx.array) -> mx.array:
         """The distribution `[N, V]` of each row of logits `[N, V]`."""

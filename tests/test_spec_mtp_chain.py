@@ -129,6 +129,27 @@ def test_a_backlog_longer_than_a_chunk_is_caught_up_in_pieces(model: Model) -> N
     assert_same_rounds(slots, pieces, decode(model, False, True, slots))
 
 
+def test_an_all_greedy_chain_draws_argmaxes_and_hands_out_point_masses(model: Model) -> None:
+    """When every chained slot is greedy the chain takes each depth's argmax (no distribution
+    over the vocabulary) and hands out no q — a point mass, which acceptance builds itself:
+    the per-depth path's tokens (its q one-hot at them), the same committed tokens and MTP
+    K/V."""
+    slots = [(GREEDY, 4), (GREEDY, 2), (GREEDY, 3), (GREEDY, 0)]
+    for uniform in (False, True):
+        chained = decode(model, True, True, slots, uniform=uniform)
+        per_depth = decode(model, False, True, slots)
+        for a_round, b_round in zip(chained[0].rounds, per_depth[0].rounds, strict=True):
+            for a, b in zip(a_round, b_round, strict=True):
+                assert a.tokens == b.tokens
+                assert a.q is None
+                if b.tokens:
+                    assert b.q is not None
+                    assert np.argmax(np.array(b.q), axis=-1).tolist() == a.tokens
+        assert [len(d.tokens) for d in chained[0].rounds[0]] == [k for _, k in slots]
+        assert chained[1] == per_depth[1]
+        assert_same_kv(chained, per_depth)
+
+
 Decoded = tuple[RecordingMTPDrafter, list[list[int]], list[SlotId], SlotPool]
 
 
@@ -138,8 +159,8 @@ def assert_same_rounds(
     """Two `decode`s of `slots` drafted alike round after round (each slot its cap deep at
     first; sampled slots really sampling), committed the same tokens and left the same MTP
     K/V in the pool after every round and at the end."""
-    chain, chain_out, chain_slots, chain_pool = got
-    ref, ref_out, ref_slots, ref_pool = want
+    chain, chain_out, _, _ = got
+    ref, ref_out, _, _ = want
     assert [len(d.tokens) for d in chain.rounds[0]] == [k for _, k in slots]
     assert len(chain.rounds) == len(ref.rounds) == ROUNDS
     for a_round, b_round in zip(chain.rounds, ref.rounds, strict=True):
@@ -159,6 +180,13 @@ def assert_same_rounds(
         for i, t in enumerate(d.tokens)
     )
     assert chain_out == ref_out  # the same uniforms went to drafting and to acceptance
+    assert_same_kv(got, want)
+
+
+def assert_same_kv(got: Decoded, want: Decoded) -> None:
+    """The two `decode`s left the same MTP K/V in the pool after every round and at the end."""
+    chain, _, chain_slots, chain_pool = got
+    ref, _, ref_slots, ref_pool = want
     after_drafts = zip(
         [x for r in chain.kv for x in r], [x for r in ref.kv for x in r], strict=True
     )
