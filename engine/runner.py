@@ -330,8 +330,7 @@ class ModelRunner:
         rounds): its catch-up forward of rows `tokens` long (each of them; the last position's
         outputs), and its draft chain `depth` deep for each of `depths`, for greedy rows
         only, sampled ones, and truncating ones — every padded width and past bucket
-        (`_mtp_pads`). Read only; 0 for an
-        eager runner or one not padding widths."""
+        (`_mtp_pads`). Read only; 0 for an eager runner or one not padding widths."""
         self._mtp()
         if not self.pad_widths:
             return 0
@@ -340,7 +339,7 @@ class ModelRunner:
         for n in sorted(set(tokens)):
             for width, past, start in self._precompile_grid(n):
                 layout = Layout.build([n] * width, [start] * width)
-                key: tuple[object, ...] = ("mtp", width, n, True, width * n, past, True)
+                key = _draft_key(layout, past, last=True)
                 state = self.pool.read_mtp([], [], past, [SlotId(s) for s in range(width)])
                 inputs = [
                     mx.zeros((width * n,), dtype=mx.int32),
@@ -362,7 +361,7 @@ class ModelRunner:
             if depth > 1:
                 grid = self._precompile_grid(depth - 1, ahead=depth - 2)
             else:
-                grid = sorted({(w, 0, 0) for w, _, _ in self._precompile_grid(1)})
+                grid = [(w, 0, 0) for w in self._precompile_widths()]
             for width, past, start in grid:
                 slots = [SlotId(s) for s in range(width)]
                 layout = Layout.build([1] * width, [start] * width)
@@ -372,7 +371,7 @@ class ModelRunner:
                     kv = [state.k, state.v]
                 for params in shapings:
                     shaping = Shaping.of([params] * width)
-                    key = ("mtp-chain", width, depth, past, *shaping.key)
+                    key = _chain_key(layout, depth, past, shaping)
                     inputs = [
                         mx.zeros((width, V), dtype=mx.float32),
                         mx.zeros((width, E), dtype=self.model.dtype),
@@ -390,12 +389,16 @@ class ModelRunner:
         for an eager runner."""
         if not self.compile:
             return []
-        widths = sorted({self.padded_width(n) for n in range(1, self.pool.n_slots + 1)})
+        widths = self._precompile_widths()
         last = self.pool.max_context - tokens  # the latest start a row of `tokens` can have
         latest: dict[int, int] = {}  # past bucket -> a start that reads it
         for start in range(last + 1):
             latest[self.past_for(start + ahead)] = start
         return [(w, past, latest[past]) for w in widths for past in sorted(latest)]
+
+    def _precompile_widths(self) -> list[int]:
+        """Every padded width (`padded_width`) a step of this pool can run at."""
+        return sorted({self.padded_width(n) for n in range(1, self.pool.n_slots + 1)})
 
     def _pin(self, key: tuple[object, ...], *outputs: object) -> int:
         """Evaluate a forward just built for `key` and keep it for good: 1, or 0 if it was
@@ -725,14 +728,13 @@ class ModelRunner:
         rows = [*batch, *[batch[0]] * len(pads)]  # pads: the first row again, on other slots
         layout = Layout.build([len(r.tokens) for r in rows], [r.start for r in rows])
         hidden = mx.concatenate([r.hidden for r in rows], axis=0)
-        tokens = sum(len(r.tokens) for r in rows)
         last = ends is not None
-        key = ("mtp", layout.rows, layout.width, layout.uniform, tokens, past, last)
+        key = _draft_key(layout, past, last)
         # a steady catch-up (uniform rows at a padded width, a verify row long) recurs every
         # round: compiled at once; a backlog's pieces, unless precompiled, the second time
         steady = self.pad_widths and layout.uniform and self.recurs(layout.width, layout.width)
         fn = self._draft_fn(key, layout, last, at_once=steady)
-        picked = layout.pack_index[:0]  # (no position picked: every one's outputs)
+        picked = layout.pack_index  # (read only with `ends`: a kept array stands in)
         if ends is not None:
             offsets = itertools.accumulate([len(r.tokens) for r in rows], initial=0)
             row_ends = [*ends, *[ends[0]] * len(pads)]
@@ -781,32 +783,31 @@ class ModelRunner:
         if not 1 <= deepest <= K:
             raise BatchError(f"a chain {K} deep for rows up to {deepest} deep")
         pads = self._mtp_pads(slots, True)
-        if pads:  # the first row again on other slots, drawing nothing; shaped as the first
-            rows = [*rows, *[dataclasses.replace(rows[0], depth=0)] * len(pads)]
+        # pads: the first row again on other slots, drawing nothing, shaped as the first
+        fed = [*rows, *[dataclasses.replace(rows[0], depth=0)] * len(pads)]
+        if pads:
             shaping = shaping.padded(len(pads))
-            starts = [r.start for r in rows]
-        layout = Layout.build([1] * len(rows), starts)
+        layout = Layout.build([1] * len(fed), [r.start for r in fed])
         kv: list[mx.array] = []
         past = 0
         if K > 1:  # the deepest forward reads the entries up to its start
             past = self.past_for(max(starts) + K - 2)
-            state = self.pool.read_mtp(slots, starts[: len(slots)], past, pads)
+            state = self.pool.read_mtp(slots, starts, past, pads)
             kv = [state.k, state.v]
-        uniforms = np.zeros((len(rows), K), dtype=np.float32)
+        uniforms = np.zeros((len(fed), K), dtype=np.float32)
         for b, r in enumerate(rows):
             uniforms[b, : r.depth] = r.uniforms[: r.depth]
-        key = ("mtp-chain", layout.rows, K, past, *shaping.key)
+        key = _chain_key(layout, K, past, shaping)
         fn = self._chain_fn(key, layout, shaping, K)
         inputs = [
-            mx.concatenate([r.logits for r in rows]),
-            mx.concatenate([r.hidden for r in rows]),
+            mx.concatenate([r.logits for r in fed]),
+            mx.concatenate([r.hidden for r in fed]),
             mx.array(uniforms),
             *layout.arrays(),
             *shaping.arrays,
         ]
         tokens, q, ks, vs = fn(inputs, kv)
         mx.eval(tokens, q, ks, vs)  # before the pool changes, as in `step`
-        rows = rows[: len(slots)]
         deep = [b for b, r in enumerate(rows) if r.depth > 1]
         if deep:
             k = mx.concatenate(ks[: deepest - 1], axis=1)
@@ -957,6 +958,17 @@ def uniform_shapes(runner: ModelRunner) -> bool:
     `MTPDrafter.uniform`): in a compiled runner on a GPU, where a step of a new shape costs
     tens of ms and a few more tokens in a row almost nothing."""
     return runner.compile and mx.default_device() == mx.gpu
+
+
+def _draft_key(layout: Layout, past: int, last: bool) -> tuple[object, ...]:
+    """The MTP head's forward's batch shape (`ModelRunner.draft`, `precompile_mtp`)."""
+    tokens = int(layout.pack_index.size)
+    return ("mtp", layout.rows, layout.width, layout.uniform, tokens, past, last)
+
+
+def _chain_key(layout: Layout, depth: int, past: int, shaping: Shaping) -> tuple[object, ...]:
+    """The MTP draft chain's shape (`ModelRunner.draft_chain`, `precompile_mtp`)."""
+    return ("mtp-chain", layout.rows, depth, past, *shaping.key)
 
 
 def shape_key(layout: Layout, outputs: int, past: int, taps: tuple[int, ...]) -> tuple[object, ...]:

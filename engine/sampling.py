@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import numpy as np
@@ -192,15 +192,13 @@ class Shaping:
 
     def padded(self, n: int) -> Shaping:
         """The same rows and `n` more shaped as the first (rows padding a batch)."""
-        return Shaping(
-            self.truncate,
-            tuple(mx.concatenate([a, mx.repeat(a[:1], n, axis=0)]) for a in self.arrays),
-            self.greedy_only,
+        return self.with_arrays(
+            [mx.concatenate([a, mx.repeat(a[:1], n, axis=0)]) for a in self.arrays]
         )
 
     def with_arrays(self, arrays: Sequence[mx.array]) -> Shaping:
         """The same static shape over other arrays (as a compiled function receives them)."""
-        return Shaping(self.truncate, tuple(arrays), self.greedy_only)
+        return replace(self, arrays=tuple(arrays))
 
     def __call__(self, logits: mx.array) -> mx.array:
         """The distribution `[N, V]` of each row of logits `[N, V]`."""
