@@ -19,7 +19,14 @@ import mlx.nn as nn
 
 from engine.gated_delta import gated_delta, l2_normalize
 from engine.gguf import GGUFFile, ModelConfig, QuantizedWeight, Weight
-from engine.kernels import add_norm_cuda, attention_cuda, gdn_mixer_cuda, gemv_cuda, swiglu_cuda
+from engine.kernels import (
+    add_norm_cuda,
+    attention_cuda,
+    embed_cuda,
+    gdn_mixer_cuda,
+    gemv_cuda,
+    swiglu_cuda,
+)
 from engine.models import weights
 from engine.models.batch import (
     AttentionState,
@@ -501,14 +508,7 @@ class Model:
     def embed_tokens(self, tokens: mx.array, table: Weight | None = None) -> mx.array:
         w = self.tok_embd if table is None else table
         if isinstance(w, QuantizedWeight):
-            rows = mx.dequantize(
-                w.weight[tokens],
-                w.scales[tokens],
-                w.biases[tokens],
-                group_size=w.group_size,
-                bits=w.bits,
-            )
-            return rows.astype(self.dtype)
+            return embed_cuda.lookup(w, tokens).astype(self.dtype)
         return w[tokens]
 
     def __call__(
