@@ -82,6 +82,27 @@ c9)  # where a speculative round's time goes on the GPU, MTP's catch-up and chai
       --json "$OUT/c9_phases_n$n.json" > "$OUT/c9_phases_n$n.md" 2>&1
     tail -n 6 "$OUT/c9_phases_n$n.md"
   done ;;
+s1)  # session 14, lease 1, carry .gpu_b: MLX, the 0.8B f16 and q8_0, kernel timelines
+  source .gpu_b/install-mlx-cuda.sh
+  LEASE_MODELS="qwen3.5-0.8b:f16 qwen3.5-0.8b:q8_0" source bench/lease/setup.sh \
+    > "$OUT/s1_setup.txt" 2>&1
+  for split in 1 auto; do
+    SLOTSERVE_GEMV_STAGED_SPLIT=$split timeout 100 python3 bench/gpu_timeline.py --model-dir $M \
+      --n 1,8 --json "$OUT/s1_timeline_split$split.json" --trace-dir /tmp/trace \
+      > "$OUT/s1_timeline_split$split.md" 2>&1
+    grep -v Warn "$OUT/s1_timeline_split$split.md" | head -34
+  done ;;
+s2)  # carry .gpu_w: the GPU tests of this session's kernels; A/B sweeps
+  source bench/lease/setup.sh > "$OUT/s2_setup.txt" 2>&1
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_embed_cuda.py \
+    tests/test_spec_mtp_chain.py > "$OUT/s2_tests.txt" 2>&1
+  tail -n 8 "$OUT/s2_tests.txt"
+  sweep s2_split 170 --n 8 --setting split1:ARGS=--overlap \
+    --setting auto:SLOTSERVE_GEMV_STAGED_SPLIT=auto,ARGS=--overlap \
+    --setting split1_b:ARGS=--overlap --setting auto_b:SLOTSERVE_GEMV_STAGED_SPLIT=auto,ARGS=--overlap
+  sweep s2_embed 170 --quant q8_0 --n 1 --setting embed:ARGS=--overlap \
+    --setting gathers:SLOTSERVE_FUSED_EMBED=0,ARGS=--overlap --setting embed_b:ARGS=--overlap \
+    --setting gathers_b:SLOTSERVE_FUSED_EMBED=0,ARGS=--overlap ;;
 *)
   echo "usage: bash bench/lease/calls.sh c1|...|c9" >&2; exit 2 ;;
 esac
