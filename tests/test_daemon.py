@@ -14,6 +14,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from transport import cpus
 from transport import protocol as p
 from transport.client import Client, Completion, ConnectionLost, RequestError
 from transport.daemon.demo import Supervised
@@ -279,6 +280,29 @@ def test_sighup_reopens_the_log_file_and_the_pid_file_lives_as_long_as_the_proce
     assert any(entry["msg"].startswith("ready") for entry in rotated)
     fresh = [json.loads(line)["msg"] for line in log.read_text().splitlines()]
     assert fresh[0].startswith("SIGHUP: reopened") and fresh[-1] == "stopped"
+
+
+def test_cpus_pin_every_thread_of_the_daemon(model: Path, tmp_path: Path) -> None:
+    """The affinity is set before MLX's, ZeroMQ's and the step thread start, so every thread
+    of the serving process keeps to the set, not only the main one."""
+    endpoint, cpu = f"ipc://{tmp_path}/d.sock", max(cpus.allowed())
+    args = serve_args(model, endpoint, "--metrics-address", "", "--cpus", str(cpu))
+
+    async def one_request() -> None:
+        async with Client.connect(endpoint) as client:
+            await client.complete([1, 2, 3], max_tokens=4, ignore_eos=True)
+
+    with Supervised(args, endpoint) as daemon:
+        anyio.run(one_request)  # the step thread and the rest are running now
+        assert daemon.proc is not None
+        tasks = list(Path(f"/proc/{daemon.proc.pid}/task").iterdir())
+        lists = [
+            line.split(":")[1].strip()
+            for t in tasks
+            for line in (t / "status").read_text().splitlines()
+            if line.startswith("Cpus_allowed_list:")
+        ]
+    assert len(tasks) >= 3 and lists == [str(cpu)] * len(tasks)
 
 
 def test_a_bad_config_file_exits_2_naming_the_key(model: Path, tmp_path: Path) -> None:

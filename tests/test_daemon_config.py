@@ -10,7 +10,7 @@ import pytest
 
 from engine.gguf import QuantizedWeight
 from scheduler import prefix_reuse
-from transport import cli
+from transport import cli, cpus
 from transport.config import KEYS, PLACEMENTS, ConfigError, DaemonConfig, load
 from transport.daemon import build_scheduler, compute_dtype, on_a_gpu_if_auto
 
@@ -46,6 +46,7 @@ def test_the_example_config_is_valid_and_says_what_it_means(model: Path) -> None
     assert (config.prefix_cache, config.prefix_cache_interval) == (1 << 30, 1024)
     assert config.prefix_cache_placement == "device"
     assert config.decode_ahead == "auto"
+    assert config.cpus is None  # wherever the process may run
 
 
 def test_sizes_lists_and_empty_strings_parse_from_the_environment(model: Path) -> None:
@@ -82,6 +83,9 @@ def test_sizes_lists_and_empty_strings_parse_from_the_environment(model: Path) -
         ('metrics_address = "9464"', 'metrics_address: expected "host:port"'),
         ("slot = 4", "slot: unknown key"),
         ("slots = [", ".*: not valid TOML"),
+        ('cpus = "0-"', 'cpus: expected a CPU list like "0-7"'),
+        ('cpus = "3-1"', "cpus: the range '3-1' runs backwards"),
+        ('cpus = "0,100000"', "cpus: CPUs 100000 are not available to this process"),
     ],
 )
 def test_a_bad_value_is_refused_naming_the_key_and_the_file(
@@ -92,6 +96,14 @@ def test_a_bad_value_is_refused_naming_the_key_and_the_file(
     with pytest.raises(ConfigError, match="^" + message.replace("[", r"\[")) as e:
         load(file, {}, no_flags(model=str(model)))
     assert str(file) in str(e.value)
+
+
+def test_cpus_parse_as_taskset_lists_them(model: Path) -> None:
+    env = {"SLOTSERVE_CPUS": f"{min(cpus.allowed())}"}
+    assert load(None, env, no_flags(model=str(model))).cpus == {min(cpus.allowed())}
+    assert cpus.parse(" 0-2, 5 ,7-8") == {0, 1, 2, 5, 7, 8}
+    assert cpus.format_list({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
+    assert cpus.parse("") is None
 
 
 def test_a_bad_environment_value_names_the_variable(model: Path) -> None:

@@ -147,7 +147,7 @@ def _cmd_loadgen(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    from transport import blas, config
+    from transport import blas, config, cpus
 
     flags = {key.name: getattr(args, key.name) for key in config.KEYS}
     file = None if args.config is None else Path(args.config)
@@ -156,7 +156,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if not args.check:  # before the model loads: a preload re-executes the process
             command = [sys.executable, "-m", "transport.cli", *args.argv]
             blas.ensure_preloaded(settings.blas, command)
-    except (config.ConfigError, blas.BlasError) as e:
+            if settings.cpus is not None:  # before the threads of MLX, ZeroMQ and ours start
+                cpus.pin(settings.cpus)
+    except (config.ConfigError, blas.BlasError, cpus.CpuError) as e:
         print(f"slotserve serve: config error: {e}", file=sys.stderr)
         return 2
     if args.check:

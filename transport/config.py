@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transport import blas
+from transport import blas, cpus
 
 ENV_PREFIX = "SLOTSERVE_"
 LOG_FORMATS = ("plain", "json")
@@ -71,6 +71,7 @@ class DaemonConfig:
     # compile every decode batch shape before serving (compiled runners); "auto": on a GPU;
     # "all": speculation's verify shapes too
     precompile: str = "auto"
+    cpus: frozenset[int] | None = None  # CPUs the process runs on; None = wherever it may
 
     @property
     def max_draft(self) -> int:
@@ -185,6 +186,11 @@ def _blas(v: Any) -> str:
     return str(v)
 
 
+def _cpus(v: Any) -> frozenset[int] | None:
+    chosen = cpus.parse(_text(v))  # a CpuError (a ValueError) says what is wrong
+    return None if chosen is None else cpus.check(chosen)
+
+
 @dataclass(frozen=True)
 class Key:
     """One setting: how to parse it (from TOML values and from strings) and its help."""
@@ -253,6 +259,11 @@ KEYS = (
         _choice(PRECOMPILE),
         "compile every decode batch shape before serving: auto (on a GPU), off, on, or all "
         "(speculation's verify shapes too)",
+    ),
+    Key(
+        "cpus",
+        _cpus,
+        'CPUs the daemon runs on, a list like "0-7" as taskset -c takes ("" = any it may)',
     ),
 )
 _BY_NAME = {k.name: k for k in KEYS}

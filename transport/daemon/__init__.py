@@ -39,6 +39,7 @@ from engine.spec.dflash import load_dflash
 from engine.spec.drafters import DFlashDrafter
 from engine.spec.speculator import Speculator, default_drafters
 from engine.tokenizer import Tokenizer
+from transport import cpus
 from transport import protocol as p
 from transport.config import DaemonConfig
 from transport.daemon import faults, heap, logs
@@ -85,6 +86,8 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
     if config.mlx_cache_limit is not None:  # freed buffers kept for reuse; MLX's default: all
         mx.set_cache_limit(config.mlx_cache_limit)
         log.info("MLX buffer cache limited to %.1f MiB", config.mlx_cache_limit / 2**20)
+    if config.cpus is not None:  # pinned by the CLI before any thread started
+        log.info("running on CPUs %s", cpus.format_list(set(os.sched_getaffinity(0))))
     log.info("loading model %s (%.1f MiB)", path, path.stat().st_size / 2**20)
     t0 = time.perf_counter()
     # "dense": quantized matrices dequantized to floats at load — on a CPU MLX's quantized
