@@ -174,9 +174,12 @@ def test_routing_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     assert gemv_cuda.stage_chunk(2, 3584, mx.bfloat16, down) == 3584  # whole: it fits
     assert gemv_cuda.takes_prologue(8, 3584, mx.bfloat16, down, "swiglu")
     assert not gemv_cuda.takes_prologue(8, 3584, mx.bfloat16, down, "add_norm")  # norm: whole rows
-    assert gemv_cuda.staged_split(1024, 4) == 1  # the default: one warp a group
+    monkeypatch.delenv(gemv_cuda.STAGED_SPLIT_ENV, raising=False)
+    assert gemv_cuda.staged_split(1024, 4) == 4  # the default, "auto": 32 blocks were too few
+    monkeypatch.setenv(gemv_cuda.STAGED_SPLIT_ENV, "1")
+    assert gemv_cuda.staged_split(1024, 4) == 1  # one warp a group
     monkeypatch.setenv(gemv_cuda.STAGED_SPLIT_ENV, "auto")
-    assert gemv_cuda.staged_split(1024, 4) == 4  # 32 blocks of one warp a group: too few
+    assert gemv_cuda.staged_split(1024, 4) == 4
     assert gemv_cuda.staged_split(7168, 4) == 1  # 224 blocks
     q4 = _weight("q4", 64, 3584, mx.bfloat16)  # 4 warps' round of 4-bit loads: 4096 values
     assert gemv_cuda.stage_chunk(8, 3584, mx.bfloat16, q4, "swiglu", split=4) == 0

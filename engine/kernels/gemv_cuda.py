@@ -506,11 +506,12 @@ SMS = 132  # the H200's multiprocessors
 
 def staged_split(n_out: int, outs: int) -> int:
     """Warps per output group sharing K in the staged kernel (SLOTSERVE_GEMV_STAGED_SPLIT):
-    "1" (the default, the only one measured) or 2, 4, 8; "auto": 4 where one warp per group
-    leaves fewer blocks than the GPU has multiprocessors — the 0.8B's 1024-output down
-    projection at 8 rows made 32 blocks and read its 7.3 MB at ~0.2 TB/s (34 µs a launch,
-    session 11 timeline), where 4 warps a group make 128. For measuring, not measured yet."""
-    mode = _env_choice(STAGED_SPLIT_ENV, ("1", "2", "4", "8", "auto"))
+    "auto" (the default): 4 where one warp per group leaves fewer blocks than the GPU has
+    multiprocessors, else 1 — the 0.8B's 1024-output down projection at 8 rows made 32
+    blocks and read its 7.3 MB at ~0.2 TB/s, 34 us a launch; with 4 warps a group, 128
+    blocks, 20 us (H200 timelines, docs/PERFORMANCE.md session 14: the 8-row step's kernels
+    2.70 -> 2.24 ms); or "1", 2, 4, 8 for every staged product."""
+    mode = _env_choice(STAGED_SPLIT_ENV, ("auto", "1", "2", "4", "8"))
     if mode == "auto":
         return 4 if -(-n_out // (outs * STAGED_GROUPS)) < SMS else 1
     return int(mode)
