@@ -103,6 +103,25 @@ s2)  # carry .gpu_w: the GPU tests of this session's kernels; A/B sweeps
   sweep s2_embed 170 --quant q8_0 --n 1 --setting embed:ARGS=--overlap \
     --setting gathers:SLOTSERVE_FUSED_EMBED=0,ARGS=--overlap --setting embed_b:ARGS=--overlap \
     --setting gathers_b:SLOTSERVE_FUSED_EMBED=0,ARGS=--overlap ;;
+p1)  # next lease, after c1 and c2 (LEASE_MODELS="qwen3.5-0.8b:f16" unless the 9B is wanted):
+  # which vCPUs are the fast ones (session 14: a bimodal host; pinned to 0-7, fast 3 of 3)
+  for cpus in 0-7 8-15 0-7 8-15; do
+    taskset -c $cpus timeout 60 python3 bench/mlx_env_sweep.py --model-dir $M --gen 32 --n 8,32 \
+      --json "$OUT/p1_cpus_$cpus.$RANDOM.json" --setting "cpus$cpus:ARGS=--overlap" \
+      | grep "^| cpus" | tee -a "$OUT/p1_cpus.md"
+  done ;;
+p2)  # carry .gpu_llama .gpu_w: llama.cpp's build (-j15, ~4.5 min), the GPU tests left over
+  source bench/lease/setup.sh > "$OUT/p2_setup.txt" 2>&1
+  timeout 250 python3 -m pytest -q -p no:cacheprovider tests/test_spec_mtp_chain.py \
+    > "$OUT/p2_tests.txt" 2>&1
+  tail -n 5 "$OUT/p2_tests.txt" ;;
+p3)  # the suite pinned to the fast half (edit CPUS after p1)
+  for i in $(seq 60); do [ -f /tmp/llama/rc ] && break; sleep 5; done; cat /tmp/llama/rc
+  mkdir -p "$OUT/suite"
+  OUT=$OUT/suite taskset -c ${CPUS:-0-7} timeout 570 python3 bench/gpu_suite.py --model-dir $M \
+    --llama-batched-bench $L --wheels .gpu_w/wheels --budget-s 400 --big-needs-s 150 --reps 1 \
+    --steps 32 --ahead > "$OUT/p3_suite.log" 2>&1
+  tail -n 30 "$OUT/suite/gpu_suite.md" ;;
 *)
   echo "usage: bash bench/lease/calls.sh c1|...|c9" >&2; exit 2 ;;
 esac
