@@ -131,6 +131,36 @@ def test_add_norm_prologue_matches_the_two_kernels(
     assert err <= tol * max(np.abs(want).max(), 1.0), err
 
 
+@pytest.mark.parametrize(("kind", "dtype"), KINDS)
+@pytest.mark.parametrize(("R", "K", "N"), [(8, 1024, 7168), (8, 3584, 1024), (3, 4096, 1000)])
+def test_rows_loaded_ahead_and_unrolled_weight_loads_change_no_value(
+    R: int, K: int, N: int, dtype: mx.Dtype, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SLOTSERVE_GEMV_STAGE_AHEAD=rows and SLOTSERVE_GEMV_STAGED_UNROLL=2, 4 move loads
+    earlier, not sums: every output and residual equal to the default staged kernel's (the
+    0.8B's 8-row input and down products, chunked; a 3-row one)."""
+    monkeypatch.setenv(gemv_cuda.STAGED_ENV, "1")
+    w = _weight(kind, N, K, dtype)
+    x, m = _rows(R, K, dtype, 1, scale=4.0), _rows(R, K, dtype, 2)
+    gu = _rows(R, 2 * K, dtype, R + K, scale=3.0)
+    norm = 1 + 0.1 * mx.random.normal((K,), key=mx.random.key(3))
+
+    def both() -> list[mx.array]:
+        h, out = (
+            gemv_cuda.add_norm_gemv_cuda(x, m, norm, 1e-6, w)
+            if R * K * dtype.size <= gemv_cuda.STAGE_MAX_BYTES
+            else (mx.zeros(1), mx.zeros(1))
+        )
+        return [h, out, gemv_cuda.swiglu_gemv_cuda(gu, w)]
+
+    want = both()
+    for ahead, unroll in [("rows", "1"), ("1", "2"), ("rows", "4")]:
+        monkeypatch.setenv(gemv_cuda.STAGE_AHEAD_ENV, ahead)
+        monkeypatch.setenv(gemv_cuda.STAGED_UNROLL_ENV, unroll)
+        for g, wt in zip(both(), want, strict=True):
+            assert bool(mx.array_equal(g, wt)), (ahead, unroll)
+
+
 def test_routing_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     """Only where it measured faster: one row of a small float matrix, and (staged, the
     default "rows") float matrices at 2 to 8 rows."""

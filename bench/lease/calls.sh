@@ -122,6 +122,20 @@ p3)  # the suite pinned to the fast half (edit CPUS after p1)
     --llama-batched-bench $L --wheels .gpu_w/wheels --budget-s 400 --big-needs-s 150 --reps 1 \
     --steps 32 --ahead > "$OUT/p3_suite.log" 2>&1
   tail -n 30 "$OUT/suite/gpu_suite.md" ;;
+p4)  # the staged kernel's loads moved earlier (SLOTSERVE_GEMV_STAGE_AHEAD, _STAGED_UNROLL;
+  # session 14, not run on a GPU): its GPU test, then N = 8 pinned, two passes, and a timeline
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gemv_prologue_cuda.py \
+    -k "ahead" > "$OUT/p4_tests.txt" 2>&1; tail -n 3 "$OUT/p4_tests.txt"
+  taskset -c ${CPUS:-0-7} timeout 330 python3 bench/mlx_env_sweep.py --model-dir $M --gen 32 \
+    --n 8 --json "$OUT/p4_sweep.json" --setting now:ARGS=--overlap \
+    --setting ahead:SLOTSERVE_GEMV_STAGE_AHEAD=rows,ARGS=--overlap \
+    --setting ahead_u2:SLOTSERVE_GEMV_STAGE_AHEAD=rows,SLOTSERVE_GEMV_STAGED_UNROLL=2,ARGS=--overlap \
+    --setting ahead_u4:SLOTSERVE_GEMV_STAGE_AHEAD=rows,SLOTSERVE_GEMV_STAGED_UNROLL=4,ARGS=--overlap \
+    --setting now_b:ARGS=--overlap --setting ahead_b:SLOTSERVE_GEMV_STAGE_AHEAD=rows,ARGS=--overlap \
+    > "$OUT/p4_sweep.md" 2>&1; tail -n 8 "$OUT/p4_sweep.md"
+  SLOTSERVE_GEMV_STAGE_AHEAD=rows SLOTSERVE_GEMV_STAGED_UNROLL=2 timeout 100 python3 \
+    bench/gpu_timeline.py --model-dir $M --n 8 --json "$OUT/p4_timeline.json" --trace-dir /tmp/trace \
+    > "$OUT/p4_timeline.md" 2>&1; grep -v Warn "$OUT/p4_timeline.md" | head -16 ;;
 *)
   echo "usage: bash bench/lease/calls.sh c1|...|c9" >&2; exit 2 ;;
 esac

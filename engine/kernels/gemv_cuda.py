@@ -247,38 +247,61 @@ _STAGED_HEAD = (
 # h = x + m, then RMSNorm(h) * nw (block 0 writes h); or silu(gate) * up. Its G groups of
 # outputs then read them from there.
 _STAGED_CHUNK = """\
-    for (int r = 0; r < R; ++r) {
-        float ss = 0.0f;
+    float ss[R];  // the thread's share of each row's sum of squares (add + RMSNorm)
+    #pragma unroll
+    for (int r = 0; r < R; ++r) ss[r] = 0.0f;
+    #pragma unroll
+    for (int r0 = 0; r0 < R; r0 += RA) {  // RA rows' loads in flight at a time
         for (long k = K_LO + long(threadIdx.x) * XV; k < K_HI; k += long(NT) * XV) {
-            uint4 su;
-            if (PRO == 2) {
-                const uint4 gu = __ldg(reinterpret_cast<const uint4*>(x + r * 2 * K + k));
-                const uint4 uu = __ldg(reinterpret_cast<const uint4*>(x + r * 2 * K + K + k));
-                #pragma unroll
-                for (int e = 0; e < XV; ++e) {
-                    const float g = static_cast<float>(reinterpret_cast<const T*>(&gu)[e]);
-                    const float u = static_cast<float>(reinterpret_cast<const T*>(&uu)[e]);
-                    reinterpret_cast<T*>(&su)[e] = static_cast<T>(g / (1.0f + expf(-g)) * u);
-                }
-            } else if (PRO == 1) {
-                const uint4 xu = __ldg(reinterpret_cast<const uint4*>(x + r * K + k));
-                const uint4 mu = __ldg(reinterpret_cast<const uint4*>(m + r * K + k));
-                #pragma unroll
-                for (int e = 0; e < XV; ++e) {
-                    const T s = static_cast<T>(static_cast<float>(reinterpret_cast<const T*>(&xu)[e])
-                        + static_cast<float>(reinterpret_cast<const T*>(&mu)[e]));
-                    reinterpret_cast<T*>(&su)[e] = s;
-                    ss += static_cast<float>(s) * static_cast<float>(s);
-                }
-            } else {
-                su = __ldg(reinterpret_cast<const uint4*>(x + r * K + k));
-            }
-            *reinterpret_cast<uint4*>(xs + r * KC + (k - K_LO)) = su;
-        }
-        if (PRO == 1) {
+            uint4 a[RA], b[RA];
             #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, off);
-            if (lane == 0) red[threadIdx.x >> 5][r] = ss;
+            for (int j = 0; j < RA; ++j) {
+                const int r = r0 + j;
+                if (r >= R) break;
+                if (PRO == 2) {
+                    a[j] = __ldg(reinterpret_cast<const uint4*>(x + r * 2 * K + k));
+                    b[j] = __ldg(reinterpret_cast<const uint4*>(x + r * 2 * K + K + k));
+                } else if (PRO == 1) {
+                    a[j] = __ldg(reinterpret_cast<const uint4*>(x + r * K + k));
+                    b[j] = __ldg(reinterpret_cast<const uint4*>(m + r * K + k));
+                } else {
+                    a[j] = __ldg(reinterpret_cast<const uint4*>(x + r * K + k));
+                }
+            }
+            #pragma unroll
+            for (int j = 0; j < RA; ++j) {
+                const int r = r0 + j;
+                if (r >= R) break;
+                uint4 su;
+                if (PRO == 2) {
+                    #pragma unroll
+                    for (int e = 0; e < XV; ++e) {
+                        const float g = static_cast<float>(reinterpret_cast<const T*>(&a[j])[e]);
+                        const float u = static_cast<float>(reinterpret_cast<const T*>(&b[j])[e]);
+                        reinterpret_cast<T*>(&su)[e] = static_cast<T>(g / (1.0f + expf(-g)) * u);
+                    }
+                } else if (PRO == 1) {
+                    #pragma unroll
+                    for (int e = 0; e < XV; ++e) {
+                        const T s = static_cast<T>(static_cast<float>(reinterpret_cast<const T*>(&a[j])[e])
+                            + static_cast<float>(reinterpret_cast<const T*>(&b[j])[e]));
+                        reinterpret_cast<T*>(&su)[e] = s;
+                        ss[r] += static_cast<float>(s) * static_cast<float>(s);
+                    }
+                } else {
+                    su = a[j];
+                }
+                *reinterpret_cast<uint4*>(xs + r * KC + (k - K_LO)) = su;
+            }
+        }
+    }
+    if (PRO == 1) {
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            float v = ss[r];
+            #pragma unroll
+            for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
+            if (lane == 0) red[threadIdx.x >> 5][r] = v;
         }
     }
     __syncthreads();
@@ -517,6 +540,22 @@ def staged_split(n_out: int, outs: int) -> int:
     return int(mode)
 
 
+STAGE_AHEAD_ENV = "SLOTSERVE_GEMV_STAGE_AHEAD"
+"""How many input rows' loads the staged kernel has in flight while it stages them: "1"
+(the default, as before session 14: a row at a time, each a wait for memory) or "rows"
+(all of them at once). Staged products at 8 rows took 16 us each for ~15 MB of weights on
+the H200 (session 14 timeline), each block waiting through its rows before its first
+weight load. The same values either way. Built after the lease; not run on a GPU yet."""
+STAGED_UNROLL_ENV = "SLOTSERVE_GEMV_STAGED_UNROLL"
+"""Rounds of weight loads in flight per lane in the staged kernel (`U`): 1 (the default),
+2 or 4. A 1024-wide product's lane makes 4 rounds, each a wait for memory at U = 1. The same
+sums either way. Built after session 14's lease; not run on a GPU yet."""
+
+
+def _env_int(name: str, choices: tuple[int, ...]) -> int:
+    return int(_env_choice(name, tuple(str(c) for c in choices)))
+
+
 def _env_choice(name: str, choices: tuple[str, ...], default: str | None = None) -> str:
     """The environment variable `name`, one of `choices` (unset: `default`, else the first);
     anything else raises, naming the variable."""
@@ -535,7 +574,7 @@ def split_for(rows: int, n_out: int, outs: int) -> int:
 
 
 def gemv_cuda(
-    x: mx.array, w: Weight, outs: int = 4, unroll: int = 1, split: int | None = None
+    x: mx.array, w: Weight, outs: int = 4, unroll: int | None = None, split: int | None = None
 ) -> mx.array:
     """`x @ W.T` for `x` `[..., K]` with at most `MAX_ROWS` rows and `W` `(N, K)` (float in
     x's dtype, or affine-quantized), in x's dtype; `fits(x, w)` must hold. Tuning knobs
@@ -555,7 +594,7 @@ def add_norm_gemv_cuda(
     eps: float,
     w: Weight,
     outs: int = 4,
-    unroll: int = 1,
+    unroll: int | None = None,
     split: int | None = None,
 ) -> tuple[mx.array, mx.array]:
     """The residual sum `h = x + m` and `rms_norm(h) * norm @ W.T`, in ONE launch: what
@@ -574,7 +613,7 @@ def add_norm_gemv_cuda(
 
 
 def swiglu_gemv_cuda(
-    gu: mx.array, w: Weight, outs: int = 4, unroll: int = 1, split: int | None = None
+    gu: mx.array, w: Weight, outs: int = 4, unroll: int | None = None, split: int | None = None
 ) -> mx.array:
     """`(silu(gate) * up) @ W.T` for the joined `gu` `[R, 2K]` (gate, then up), in ONE
     launch: what `swiglu_cuda.swiglu_cuda` then `gemv_cuda` compute, rounded where they
@@ -598,7 +637,7 @@ def _launch(
     w: Weight,
     R: int,
     outs: int,
-    unroll: int,
+    unroll: int | None,
     split: int | None,
     eps: float = 0.0,
     staged: bool = False,
@@ -612,6 +651,7 @@ def _launch(
         split = split if stage_chunk(R, K, inputs[0].dtype, w, kind, split) else 1
     elif split is None:
         split = split_for(R, N, outs)
+    unroll = unroll or (_env_int(STAGED_UNROLL_ENV, (1, 2, 4)) if staged else 1)
     groups = max(1, STAGED_GROUPS // split) if staged else 1  # at most 256 threads a block
     if not (outs >= 1 and R * outs <= 32 and unroll >= 1 and 1 <= split * groups <= 32):
         raise ValueError(
@@ -638,7 +678,8 @@ def _launch(
         stage = -(-R * chunk * dtype.size // 4096) * 4096  # (CUDA's limit without opting in)
         variant += f"|staged {stage}"
         kernel = cached_kernel("gemv_staged", variant, names, outputs, source, shared_memory=stage)
-        extra += [("G", groups), ("KC", chunk)]
+        ahead = R if _env_choice(STAGE_AHEAD_ENV, ("1", "rows")) == "rows" else 1
+        extra += [("G", groups), ("KC", chunk), ("RA", ahead)]
     else:
         kernel = cached_kernel("gemv", variant, names, outputs, source)
     return list(
