@@ -439,6 +439,9 @@ def machine() -> dict[str, Any]:
         "cpu_family_model": f"{cpu.get('cpu family')}/{cpu.get('model')}",
         "simd": simd,
         "cores": os.cpu_count(),
+        # the CPUs this process may run on (`taskset`, the daemon's `cpus`): on the H200 VM
+        # the host-bound figures moved with them (docs/PERFORMANCE.md, session 14)
+        "cpus_allowed": _cpus_allowed(),
         "memory_gib": round(mem_kb / 2**20, 1),
         "python": platform.python_version(),
         "mlx": _version("mlx"),
@@ -451,6 +454,14 @@ def machine() -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
     }
+
+
+def _cpus_allowed() -> str | None:
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    from transport.cpus import format_list
+
+    return format_list(set(os.sched_getaffinity(0)))
 
 
 def _version(dist: str) -> str | None:
