@@ -865,6 +865,26 @@ def last_logits(outputs: Sequence[RowOutput]) -> mx.array:
     return mx.concatenate([o.logits[-1:] for o in outputs])
 
 
+def verified_logits(outputs: Sequence[RowOutput]) -> tuple[mx.array, list[int]] | None:
+    """`(logits, firsts)`: one slice of the step's packed logits holding every output's rows,
+    and where each output's first row is in it — when the outputs lie there side by side in
+    order (as a verify step's rows do); else None. A verify step's acceptance reads them as
+    one array instead of slicing each row and joining the slices (2N + 1 graph nodes, each
+    a launch on a GPU, on every speculative step's critical path)."""
+    first = outputs[0].packed if outputs else None
+    if first is None:
+        return None
+    packed, at = first[0], first[2]
+    firsts, end = [], at
+    for o in outputs:
+        q = o.packed
+        if q is None or q[0] is not packed or q[2] != end:
+            return None
+        firsts.append(end - at)
+        end += q[3]
+    return packed[at:end], firsts
+
+
 SSM_WRITE_ENV = "SLOTSERVE_POOL_SSM_WRITE"
 STEP_INPUTS_ENV = "SLOTSERVE_STEP_INPUTS"
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from test_pool import snapshots_equal
 
-from engine.cache import SlotId, SlotPool
+from engine.cache import SlotId, SlotPool, SlotSnapshot
 from engine.generate import greedy_tokens
 from engine.models.qwen35 import Model, load_model
 from engine.runner import DraftRow, ModelRunner, Row, RowOutput
@@ -23,6 +23,7 @@ from engine.sampling import RequestRng, SamplingParams
 from engine.spec.drafters import Drafter, MTPDrafter, NgramDrafter
 from engine.spec.offline import GREEDY, Request, generate
 from engine.spec.speculator import (
+    Committed,
     DecodingSlot,
     Drawn,
     PlainStep,
@@ -511,3 +512,62 @@ def test_a_plan_never_resolved_stays_planned_beside_the_next(model: Model) -> No
     assert isinstance(spec.resolve_step(states[1:], outputs), PlainStep)
     with pytest.raises(SpecError, match=r"slots \[0\] were not planned"):
         spec.resolve_step(states[:1], outputs)
+
+
+@pytest.mark.parametrize("uniform", [True, False])
+def test_argmax_only_acceptance_reads_the_packed_logits_as_the_general_path_would(
+    model: Model, monkeypatch: pytest.MonkeyPatch, uniform: bool
+) -> None:
+    """Greedy, unpenalized slots accept from one argmax over the step's packed logits
+    (`_accept_argmax`): the same tokens, acceptances, logprobs rows and pool as the general
+    path (slices joined, adjusted, argmax) — both drafters, ragged and uniform rows, every
+    slot asking for logprobs so each kept position's row is compared."""
+    params = SamplingParams(temperature=0.0, logprobs=2)
+
+    def run(fast: bool) -> tuple[list[list[Committed]], list[SlotSnapshot], int]:
+        spec = speculator(model, "ngram+mtp", 4)
+        spec.use_uniform_shapes(uniform)
+        used = 0
+        real = spec._accept_argmax
+
+        def counted(*args: object) -> list[Committed]:
+            nonlocal used
+            used += 1
+            return real(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(spec, "_accept_argmax", counted)
+        if not fast:
+            monkeypatch.setattr("engine.spec.speculator.verified_logits", lambda outputs: None)
+        pool, runner = spec.runner.pool, spec.runner
+        slots = [pool.allocate() for _ in range(4)]
+        chosen = prompts(4, 7)
+        rows = [spec.prefill_row(s, p, 0, "on") for s, p in zip(slots, chosen, strict=True)]
+        for row, out in zip(rows, runner.step(rows).rows, strict=True):
+            spec.prefilled(row, out)
+        first = [p[-1] for p in chosen]
+        decoding = [
+            DecodingSlot(s, t, [*p, t], params, RequestRng(None), "on")
+            for s, t, p in zip(slots, first, chosen, strict=True)
+        ]
+        steps = []
+        for _ in range(10):
+            committed = spec.resolve(decoding, runner.step(spec.plan(decoding)).rows)
+            steps.append(committed)
+            for d, c in zip(decoding, committed, strict=True):
+                d.history += c.tokens
+                d.pending = c.tokens[-1]
+        monkeypatch.undo()
+        return steps, [pool.snapshot(s) for s in slots], used
+
+    fast, fast_pool, used = run(True)
+    general, general_pool, unused = run(False)
+    assert used > 0 and unused == 0
+    for a, b in zip(fast, general, strict=True):
+        assert [(c.tokens, c.drafted, c.accepted) for c in a] == [
+            (c.tokens, c.drafted, c.accepted) for c in b
+        ]
+        for c, d in zip(a, b, strict=True):
+            assert len(c.logits) == len(d.logits) == len(c.tokens)
+            assert all(np.array_equal(x, y) for x, y in zip(c.logits, d.logits, strict=True))
+    assert sum(c.accepted for step in fast for c in step) > 0
+    assert all(snapshots_equal(x, y) for x, y in zip(fast_pool, general_pool, strict=True))

@@ -34,7 +34,15 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cache import SlotId
-from engine.runner import ModelRunner, Row, RowOutput, last_logits, uniform_shapes
+from engine.runner import (
+    ModelRunner,
+    Packed,
+    Row,
+    RowOutput,
+    last_logits,
+    uniform_shapes,
+    verified_logits,
+)
 from engine.sampling import (
     RequestRng,
     SamplingParams,
@@ -524,6 +532,10 @@ class Speculator:
         ks: list[int],
     ) -> list[Committed]:
         """A step where some slots verify drafts: exact acceptance over all of them."""
+        if all(d.params.argmax_only for d in decoding):
+            packed = verified_logits(outputs)
+            if packed is not None:
+                return self._accept_argmax(decoding, plans, outputs, ks, *packed)
         params = [d.params for d, k in zip(decoding, ks, strict=True) for _ in range(k + 1)]
         histories = [  # what the penalties count at each verified position
             d.history + p.draft.tokens[:j] if d.params.penalized else []
@@ -573,6 +585,42 @@ class Speculator:
                 Committed([*plan.draft.tokens[:a], int(tok)], wanted, k, a, plan.drafter)
             )
             offset += k + 1
+        return committed
+
+    def _accept_argmax(
+        self,
+        decoding: Sequence[DecodingSlot],
+        plans: list[_Plan],
+        outputs: Sequence[RowOutput],
+        ks: list[int],
+        logits: mx.array,
+        firsts: list[int],
+    ) -> list[Committed]:
+        """`_accept` for slots that all take the argmax of the model's own logits (greedy,
+        no penalty or bias), their rows side by side in the step's packed logits: one
+        argmax over all of them, each slot's verified positions picked on the host. The
+        same tokens, logprobs rows and rollbacks as the general path."""
+        for d, k in zip(decoding, ks, strict=True):
+            d.rng.uniform(k + 1)  # used up as the general path uses them (seeded streams)
+        everywhere = greedy_tokens(logits)
+        best = np.concatenate([everywhere[f : f + k + 1] for f, k in zip(firsts, ks, strict=True)])
+        n, nxt = accept_greedy(best, [plan.draft.tokens for plan in plans])
+        fed = [cast(Packed, o.packed)[3] for o in outputs]  # (not o.logits: a slice node each)
+        rejected = [
+            (d.slot, int(a) + 1) for d, m, a in zip(decoding, fed, n, strict=True) if a + 1 < m
+        ]
+        if rejected:
+            self.runner.pool.rollback_many(rejected)
+        committed = []
+        for d, plan, out, k, a, tok, f in zip(
+            decoding, plans, outputs, ks, n, nxt, firsts, strict=True
+        ):
+            a = int(a)
+            self._commit(d.slot, plan, out, k, a)
+            wanted = [logits[f + j] for j in range(a + 1)] if d.params.logprobs else []
+            committed.append(
+                Committed([*plan.draft.tokens[:a], int(tok)], wanted, k, a, plan.drafter)
+            )
         return committed
 
     # -- internals -------------------------------------------------------------------------
