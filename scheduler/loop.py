@@ -21,7 +21,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from enum import Enum, auto
@@ -105,6 +105,7 @@ class Scheduler:
         self._reuse = PrefixReuse(config.prefix_cache, tokenizer.eog_ids)
         self._to_snapshot: list[tuple[Sequence, SlotId]] = []  # finished, for the prefix cache
         self._unpublished: list[Sequence] = []  # committed tokens to publish
+        self._published_hooks: list[Callable[[], None]] = []  # `on_published`
         self._ids = itertools.count()
         self._counters = Counters()
         self._state = _State.NEW
@@ -194,6 +195,13 @@ class Scheduler:
         self._wakeup.set()
         receive = outlet.receive if isinstance(outlet, StreamOutlet) else None
         return RequestHandle(rid, len(prepared.prompt), receive, self.cancel)
+
+    def on_published(self, callback: Callable[[], None]) -> None:
+        """Call `callback` on the loop after each publishing, once every Delta and Finished
+        it produced has gone to its sink or handle: a server sends its connections' step
+        batches then, with no turn of the event loop between the step and its messages.
+        What `callback` raises is logged; the loop goes on."""
+        self._published_hooks.append(callback)
 
     def cancel(self, request_id: str) -> bool:
         """End the request now with CANCELLED (its slot is freed at the next step
@@ -435,7 +443,8 @@ class Scheduler:
     def _publish(self) -> None:
         """Send the committed tokens of the last step as Deltas (and Finished where the
         tokens ended the request). The Deltas of requests that share a `StepSink` go to it
-        in one call; every request's Finished follows all the step's Deltas."""
+        in one call; every request's Finished follows all the step's Deltas; then the
+        `on_published` callbacks run."""
         t0 = time.perf_counter()
         now = time.monotonic()
         todo, self._unpublished = self._unpublished, []
@@ -484,6 +493,11 @@ class Scheduler:
             self._finish(seq, ending)  # (nothing, if a failed sink has ended it already)
         self._counters.generated_tokens += generated
         self._counters.times.publish_s += time.perf_counter() - t0
+        for hook in self._published_hooks:
+            try:
+                hook()
+            except Exception:
+                log.exception("an on_published callback failed")
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         """Send the request's last text and its Finished; the slot is freed by `_reap`.

@@ -271,3 +271,55 @@ async def test_a_failing_step_sink_ends_each_of_its_requests_with_one_error(tiny
             )
     assert len(broken.calls) == 3  # nothing after the failing call
     assert stats.finished[FinishReason.ERROR] == 3
+
+
+async def test_on_published_follows_each_publishing_of_a_steps_deltas_and_ends(
+    tiny: Tiny,
+) -> None:
+    """A server sends its connections' step batches from `on_published`: by then every
+    Delta and Finished of the step must have reached the sinks, and each publishing gets
+    its own call (so a sink never holds two steps' Deltas when it is called)."""
+    scheduler = new_scheduler(tiny, n_slots=5)
+    timeline: list[tuple[str, object]] = []
+
+    class Timeline(GroupRecorder):
+        def deltas(self, items: list[tuple[int, Delta]]) -> None:
+            timeline.append(("deltas", [k for k, _ in items]))
+
+        def end(self, key: int, event: Finished) -> None:
+            timeline.append(("end", key))
+
+    def broken() -> None:
+        raise RuntimeError("callback broke")  # logged; the loop goes on
+
+    scheduler.on_published(broken)
+    scheduler.on_published(lambda: timeline.append(("published", None)))
+    sink = Timeline()
+    reqs = requests(8)  # 8 requests on 5 slots, max_tokens 12..19: they end on many steps
+    async with scheduler.running():
+        for i, r in enumerate(reqs):
+            scheduler.submit(r, group=sink, key=i)
+        with anyio.fail_after(30):
+            while scheduler.stats().running or scheduler.stats().waiting:
+                await anyio.sleep(0.005)
+    assert timeline[-1] == ("published", None)  # nothing reached a sink after the last call
+    window = 0  # publishings so far
+    last_tokens: dict[int, int] = {}  # key -> the publishing of its last Deltas
+    ended: dict[int, int] = {}  # key -> the publishing of its Finished
+    batches: dict[int, int] = defaultdict(int)  # publishing -> its multi-request calls
+    for kind, what in timeline:
+        if kind == "published":
+            window += 1
+        elif kind == "deltas":
+            assert isinstance(what, list)
+            batches[window] += len(what) > 1
+            last_tokens.update((key, window) for key in what)
+        else:
+            assert isinstance(what, int)
+            ended[what] = window
+    assert sorted(ended) == list(range(len(reqs)))
+    # each request ran to max_tokens: its Finished came in the publishing of its last
+    # tokens, before that publishing's call
+    assert ended == last_tokens
+    assert max(batches.values()) == 1  # one step's batch per publishing
+    assert sum(batches.values()) > 10  # the steps were published one by one
