@@ -441,7 +441,7 @@ class Server:
 
     def _try_send(self, session: _Session, payload: bytes) -> bool:
         try:
-            self._sock.send([session.identity, payload])
+            self._sock.send_to(session.identity, payload)
         except zmq.Again:
             return False
         except zmq.ZMQError as e:
@@ -462,7 +462,7 @@ class Server:
     def _reply(self, identity: bytes, message: p.Error) -> None:
         """Best effort to a peer without a session: dropped if it cannot be sent now."""
         with suppress(zmq.ZMQError):
-            self._sock.send([identity, p.encode(message)])
+            self._sock.send_to(identity, p.encode(message))
 
     # -- liveness -----------------------------------------------------------------------------
     async def _housekeeping(self) -> None:
