@@ -45,8 +45,8 @@ class PublishOrder:
     def observe(self, forward_s: float, forward_cpu_s: float, publish_s: float) -> None:
         """A step whose forward (`forward_s`, `forward_cpu_s` of it the step thread's CPU)
         started after the previous step's output was published (`publish_s`, the server's
-        sends included)."""
-        if publish_s <= 0.0:
+        sends included). A step that ran no forward (snapshots only) says nothing."""
+        if publish_s <= 0.0 or forward_s <= 0.0:
             return
         share = (forward_s - forward_cpu_s) / publish_s
         if self.first:  # one slow step (a prefill, a busy machine) does not end it

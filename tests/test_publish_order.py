@@ -19,6 +19,9 @@ def test_it_overlaps_and_probes_every_so_often() -> None:
     assert overlapping_steps(order) == PROBE_EVERY - 1
     order.observe(forward_s=0.010, forward_cpu_s=0.001, publish_s=0.002)  # a device-bound step
     assert not order.first
+    overlapping_steps(order)
+    order.observe(forward_s=0.0, forward_cpu_s=0.0, publish_s=0.002)  # no forward: snapshots
+    assert not order.first
     assert overlapping_steps(order) == PROBE_EVERY - 1
 
 
