@@ -37,7 +37,7 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from functools import partial
 from pathlib import Path
@@ -124,13 +124,15 @@ class StubScheduler:
     """BENCHMARK ONLY — not a scheduler (`--transport-only`). Has the Scheduler's surface
     the Server uses; every `step_s` it passes each live request a one-token Delta naming
     the step (then its Finished at max_tokens) to the request's step sink, with no
-    sampling, detokenizing or batching work: what is left is the transport's cost."""
+    sampling, detokenizing or batching work: what is left is the transport's cost. Like
+    the Scheduler, it calls its `on_published` callbacks after each step's events."""
 
     def __init__(self, step_s: float, vocab: int) -> None:
         self.step_s = step_s
         self.vocab = vocab
         self.step_ends: list[float] = []
         self._live: dict[str, tuple[StepSink, Any, list[int]]] = {}
+        self._published: list[Callable[[], None]] = []
 
     def submit(self, request: Request, *, group: StepSink, key: Any) -> RequestHandle:
         """`Serves.submit`: what the Server calls."""
@@ -146,6 +148,9 @@ class StubScheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(0, len(self._live), 0, 0, 1, 0, 0, {}, 0, 0, StepTimes())
+
+    def on_published(self, callback: Callable[[], None]) -> None:
+        self._published.append(callback)
 
     async def run(self) -> None:
         while True:
@@ -164,6 +169,8 @@ class StubScheduler:
                 group.deltas(items)
             for group, key, rid, n in ended:
                 self._end(group, key, rid, FinishReason.LENGTH, n)
+            for callback in self._published:
+                callback()
 
     @staticmethod
     def _end(group: StepSink, key: Any, rid: str, why: FinishReason, n: int) -> None:

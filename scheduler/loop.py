@@ -8,7 +8,9 @@ Each turn of the loop, at a step boundary (no step in flight):
    of every decoding request, then prefill chunks (`scheduler.step`);
    meanwhile, on the loop, publish the previous step's tokens (detokenize, stop
    strings, deltas), so host work overlaps the forward;
-4. commit the step's tokens (stop tokens, max_tokens) to decide who runs next.
+4. commit the step's tokens (stop tokens, max_tokens) to decide who runs next —
+   and publish them at once instead, before the next step starts, when forwards are
+   much shorter than publishing (`scheduler.publish_order`).
 
 Every accepted request ends with exactly one `Finished` — on completion, cancel,
 deadline, fault, shutdown, or a crash of the loop itself. All methods are called from
@@ -21,7 +23,7 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from enum import Enum, auto
@@ -49,6 +51,7 @@ from scheduler.handle import (
 )
 from scheduler.outcome import Delta, FinishReason, TokenLogprob
 from scheduler.prefix_reuse import PrefixReuse
+from scheduler.publish_order import PublishOrder
 from scheduler.queue import Rejected, RejectReason, WaitQueue
 from scheduler.request import DuplicateRequestId, Request, Speculation, prepare
 from scheduler.sequence import Phase, Sequence, commit_plain_step
@@ -105,6 +108,8 @@ class Scheduler:
         self._reuse = PrefixReuse(config.prefix_cache, tokenizer.eog_ids)
         self._to_snapshot: list[tuple[Sequence, SlotId]] = []  # finished, for the prefix cache
         self._unpublished: list[Sequence] = []  # committed tokens to publish
+        self._published_hooks: list[Callable[[], None]] = []  # `on_published`
+        self._order = PublishOrder()
         self._ids = itertools.count()
         self._counters = Counters()
         self._state = _State.NEW
@@ -195,6 +200,13 @@ class Scheduler:
         receive = outlet.receive if isinstance(outlet, StreamOutlet) else None
         return RequestHandle(rid, len(prepared.prompt), receive, self.cancel)
 
+    def on_published(self, callback: Callable[[], None]) -> None:
+        """Call `callback` on the loop after each publishing, once every Delta and Finished
+        it produced has gone to its sink or handle: a server sends its connections' step
+        batches then, with no turn of the event loop between the step and its messages.
+        What `callback` raises is logged; the loop goes on."""
+        self._published_hooks.append(callback)
+
     def cancel(self, request_id: str) -> bool:
         """End the request now with CANCELLED (its slot is freed at the next step
         boundary); False if no such request is in flight."""
@@ -261,6 +273,7 @@ class Scheduler:
         crash: str | None = None
         try:
             boundary = time.perf_counter()
+            published_s: float | None = None  # the last step's publishing, if done before this one
             while True:
                 now = time.monotonic()
                 self._expire(now)
@@ -271,21 +284,26 @@ class Scheduler:
                     if self._state == _State.STOPPING and not self._active:
                         break
                     await self._idle()
-                    boundary = time.perf_counter()
+                    boundary, published_s = time.perf_counter(), None
                     continue
                 t0 = time.perf_counter()
-                result = await self._step(plan)
+                result = await self._step(plan, publish=published_s is None)
                 t1 = time.perf_counter()
+                if published_s is not None:  # the forward had the GIL to itself
+                    self._order.observe(result.forward_s, result.forward_cpu_s, published_s)
                 self._commit(result)
                 self._reuse.stepped(plan.admit, result.images)
                 for seq, image in result.final_images:
                     self._reuse.finished(seq, image)
                 t2 = time.perf_counter()
                 if plan.decoding or plan.prefilling:  # not a step that only took snapshots
-                    self._count(
-                        result, schedule_s=(t0 - boundary) + (t2 - t1), wall_s=t2 - boundary
-                    )
-                boundary = t2
+                    schedule_s = (t0 - boundary - (published_s or 0.0)) + (t2 - t1)
+                    self._count(result, schedule_s=schedule_s, wall_s=t2 - boundary)
+                boundary, published_s = t2, None
+                if self._order.publish_first():
+                    self._publish()
+                    published_s = time.perf_counter() - t2
+                    self._counters.times.published_first += 1
         except Exception as e:
             crash = f"the scheduler loop failed: {type(e).__name__}: {e}"
             raise
@@ -299,14 +317,16 @@ class Scheduler:
         self._wakeup = anyio.Event()
         await self._wakeup.wait()
 
-    async def _step(self, plan: StepPlan) -> StepResult:
-        """Run `plan` on the step thread and, while it computes, publish the last step."""
+    async def _step(self, plan: StepPlan, publish: bool) -> StepResult:
+        """Run `plan` on the step thread and, while it computes, publish the last step
+        (unless `publish` is False: it was published before this one started)."""
         job = self._thread.start(partial(self._stepper.run, plan))
         try:
-            # Publishing holds the GIL: start it once the step thread is computing. Blocking
-            # on its start hands the GIL over.
-            job.wait_started()
-            self._publish()
+            if publish:
+                # Publishing holds the GIL: start it once the step thread is computing.
+                # Blocking on its start hands the GIL over.
+                job.wait_started()
+                self._publish()
         finally:
             result = await self._thread.finish(job)  # (even if publishing failed)
         return result
@@ -435,7 +455,8 @@ class Scheduler:
     def _publish(self) -> None:
         """Send the committed tokens of the last step as Deltas (and Finished where the
         tokens ended the request). The Deltas of requests that share a `StepSink` go to it
-        in one call; every request's Finished follows all the step's Deltas."""
+        in one call; every request's Finished follows all the step's Deltas; then the
+        `on_published` callbacks run."""
         t0 = time.perf_counter()
         now = time.monotonic()
         todo, self._unpublished = self._unpublished, []
@@ -484,6 +505,11 @@ class Scheduler:
             self._finish(seq, ending)  # (nothing, if a failed sink has ended it already)
         self._counters.generated_tokens += generated
         self._counters.times.publish_s += time.perf_counter() - t0
+        for hook in self._published_hooks:
+            try:
+                hook()
+            except Exception:
+                log.exception("an on_published callback failed")
 
     def _finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         """Send the request's last text and its Finished; the slot is freed by `_reap`.

@@ -21,6 +21,7 @@ class StepTimes:
     sample_s: float = 0.0  # resolve, first tokens, logprobs (step thread)
     schedule_s: float = 0.0  # deadlines, reaping, admission, plan, commit (event loop)
     publish_s: float = 0.0  # detokenize, stop strings, deltas (overlaps the next forward)
+    published_first: int = 0  # steps published before the next started (`PublishOrder`)
 
 
 @dataclass

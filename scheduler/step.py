@@ -122,6 +122,7 @@ class StepResult:
     final_images: list[tuple[Seq, SlotImage]] = field(default_factory=list)  # of `plan.snapshot`
     draft_s: float = 0.0  # speculator.plan: drafting and row building
     forward_s: float = 0.0  # runner.step (bisection included)
+    forward_cpu_s: float = 0.0  # of it, CPU time of the step thread (the rest: device, waits)
     sample_s: float = 0.0  # resolve, first tokens, log-probabilities
 
 
@@ -262,7 +263,7 @@ class Stepper:
         ahead, self._ahead, self._drawn = self._ahead, None, None
         if not seqs:
             return
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         base = len(chunks)
         adopted = None if ahead is None or not decoding else self._adopted(ahead, decoding, rows)
         if ahead is not None:
@@ -289,6 +290,7 @@ class Stepper:
         every_row_ran = len(result.failed) == failed
         t2 = time.perf_counter()
         result.draft_s, result.forward_s = t1 - t0, t2 - t1
+        result.forward_cpu_s = time.thread_time() - c1
 
         prefilled = zip(chunks, chunk_rows, outputs[:base], strict=True)
         ran = [(c, r, o) for c, r, o in prefilled if o is not None]

@@ -4,8 +4,10 @@ as a handle, in order, exactly one terminal, and a sink that fails costs only it
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import anyio
@@ -13,7 +15,17 @@ import pytest
 from serving import Tiny, load_tiny, new_scheduler
 
 from engine.sampling import SamplingParams
-from scheduler import Delta, Event, Finished, FinishReason, Request, SchedulerConfig
+from scheduler import (
+    Delta,
+    Event,
+    Finished,
+    FinishReason,
+    Request,
+    Scheduler,
+    SchedulerConfig,
+    StepSink,
+)
+from scheduler.publish_order import PROBE_EVERY
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.95, seed=3, logprobs=2)
@@ -189,6 +201,16 @@ class GroupRecorder:
         self.events[key].append(event)
 
 
+async def through_group(scheduler: Scheduler, reqs: list[Request], group: StepSink) -> None:
+    """All of `reqs` into one step sink (request i under key i), run until the scheduler
+    has nothing left (inside its `running()`)."""
+    for i, r in enumerate(reqs):
+        scheduler.submit(r, group=group, key=i)
+    with anyio.fail_after(60):
+        while scheduler.stats().running or scheduler.stats().waiting:
+            await anyio.sleep(0.005)
+
+
 def mixed_requests(stop: str) -> list[Request]:
     """Greedy, sampled, log-probability, stop-string, stop-id and max-token requests."""
     sampled = SamplingParams(temperature=0.8, top_k=20, seed=11)
@@ -271,3 +293,89 @@ async def test_a_failing_step_sink_ends_each_of_its_requests_with_one_error(tiny
             )
     assert len(broken.calls) == 3  # nothing after the failing call
     assert stats.finished[FinishReason.ERROR] == 3
+
+
+async def test_on_published_follows_each_publishing_of_a_steps_deltas_and_ends(
+    tiny: Tiny,
+) -> None:
+    """A server sends its connections' step batches from `on_published`: by then every
+    Delta and Finished of the step must have reached the sinks, and each publishing gets
+    its own call (so a sink never holds two steps' Deltas when it is called)."""
+    scheduler = new_scheduler(tiny, n_slots=5)
+    timeline: list[tuple[str, object]] = []
+
+    class Timeline(GroupRecorder):
+        def deltas(self, items: list[tuple[int, Delta]]) -> None:
+            timeline.append(("deltas", [k for k, _ in items]))
+
+        def end(self, key: int, event: Finished) -> None:
+            timeline.append(("end", key))
+
+    def broken() -> None:
+        raise RuntimeError("callback broke")  # logged; the loop goes on
+
+    scheduler.on_published(broken)
+    scheduler.on_published(lambda: timeline.append(("published", None)))
+    sink = Timeline()
+    reqs = requests(8)  # 8 requests on 5 slots, max_tokens 12..19: they end on many steps
+    async with scheduler.running():
+        await through_group(scheduler, reqs, sink)
+    assert timeline[-1] == ("published", None)  # nothing reached a sink after the last call
+    window = 0  # publishings so far
+    last_tokens: dict[int, int] = {}  # key -> the publishing of its last Deltas
+    ended: dict[int, int] = {}  # key -> the publishing of its Finished
+    batches: dict[int, int] = defaultdict(int)  # publishing -> its multi-request calls
+    for kind, what in timeline:
+        if kind == "published":
+            window += 1
+        elif kind == "deltas":
+            assert isinstance(what, list)
+            batches[window] += len(what) > 1
+            last_tokens.update((key, window) for key in what)
+        else:
+            assert isinstance(what, int)
+            ended[what] = window
+    assert sorted(ended) == list(range(len(reqs)))
+    # each request ran to max_tokens: its Finished came in the publishing of its last
+    # tokens, before that publishing's call
+    assert ended == last_tokens
+    assert max(batches.values()) == 1  # one step's batch per publishing
+    assert sum(batches.values()) > 10  # the steps were published one by one
+
+
+class SlowGroup(GroupRecorder):
+    """A step sink whose every call holds the GIL for `busy_s`: publishing that outlasts
+    the tiny model's forwards."""
+
+    def __init__(self, busy_s: float) -> None:
+        super().__init__()
+        self.busy_s = busy_s
+
+    def deltas(self, items: list[tuple[int, Delta]]) -> None:
+        end = time.perf_counter() + self.busy_s
+        while time.perf_counter() < end:
+            pass
+        super().deltas(items)
+
+
+async def test_publishing_that_outlasts_the_forwards_goes_first_and_streams_the_same(
+    tiny: Tiny,
+) -> None:
+    """When a forward could hide little of publishing, the loop publishes each step before
+    starting the next (`PublishOrder`); the requests stream what they stream otherwise."""
+    reqs = [replace(r, max_tokens=48) for r in requests(6)]  # ~50 steps: probes come
+    alone = await through_sinks(tiny, reqs, n_slots=6)
+    for busy_s, slow in ((0.0, False), (0.02, True)):
+        scheduler = new_scheduler(tiny, n_slots=6)
+        group = SlowGroup(busy_s)
+        async with scheduler.running():
+            await through_group(scheduler, reqs, group)
+            times = scheduler.stats().times
+        for i, rec in enumerate(alone):
+            assert as_seen(group.events[i]) == as_seen(rec.events), reqs[i].request_id
+        probes = times.steps // PROBE_EVERY
+        assert times.steps > 2 * PROBE_EVERY
+        if slow:  # after the first probe, every step
+            assert times.published_first >= times.steps - PROBE_EVERY - 1
+        else:  # only the probes
+            assert times.published_first <= probes + 1

@@ -5,9 +5,12 @@ its outstanding requests, an outbox for messages the peer's pipe could not take,
 and the deltas of the current step. Each accepted request is submitted into its
 session's step sink (`_SessionSink`, a `scheduler.StepSink`), which the scheduler
 hands a step's Deltas of all the session's requests in one call as it publishes, so
-a step's events are gathered per session with no task and no call per request; a
-flusher then sends, per connection, ONE Deltas message with everything the step
-produced, then any terminal messages.
+a step's events are gathered per session with no task and no call per request. When
+the scheduler has published the step (`Scheduler.on_published`) the server sends, per
+connection, ONE Deltas message with everything the step produced, then any terminal
+messages — in the same turn of the event loop, so no other task runs between a step
+and its messages. Events outside a step (a cancel, a dropped connection) are sent at
+the loop's next turn.
 
 Nothing a client sends can crash the server: frames are decoded by type, a bad
 one gets an Error (or is dropped when even that cannot be sent) and is counted.
@@ -26,6 +29,7 @@ the connection that took its fd next.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import time
@@ -89,6 +93,8 @@ class Serves(Protocol):
 
     def stats(self) -> s.SchedulerStats: ...
 
+    def on_published(self, callback: Callable[[], None]) -> None: ...
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -151,8 +157,8 @@ class _SessionSink:
 class Server:
     """Serves one Scheduler over ZeroMQ; `async with server.running() as endpoints:`.
 
-    Runs in the scheduler's event loop and calls it directly (submit, cancel,
-    stats). `state` is what Pong and Stats report; STARTING answers Generate with
+    Runs in the scheduler's event loop (anyio's asyncio backend) and calls it directly
+    (submit, cancel, stats); the scheduler calls back once it has published a step. `state` is what Pong and Stats report; STARTING answers Generate with
     BUSY, DRAINING with SHUTTING_DOWN. `observer`, if given, sees every event of
     every request as it is relayed (metrics).
     """
@@ -180,7 +186,9 @@ class Server:
         self._by_connection: dict[int, _Session] = {}
         self._numbers = 0
         self._dirty: dict[_Session, None] = {}  # sessions with something to flush, in order
-        self._flush_wanted = anyio.Event()
+        self._serving = False  # the socket is open (`running`)
+        self._loop: asyncio.AbstractEventLoop | None = None  # `running`'s
+        scheduler.on_published(self._flush)
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[list[str]]:
@@ -203,10 +211,10 @@ class Server:
             monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
             endpoints = [bind(sock, e) for e in cfg.endpoints]
             self._sock, self._monitor = AsyncSocket(sock), AsyncSocket(monitor)
+            self._loop, self._serving = asyncio.get_running_loop(), True
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._receive_loop)
                 tg.start_soon(self._watch_disconnects)
-                tg.start_soon(self._flush_loop)
                 tg.start_soon(self._housekeeping)
                 try:
                     yield endpoints
@@ -215,6 +223,7 @@ class Server:
                         self._drop(session)
                     tg.cancel_scope.cancel()
         finally:
+            self._serving = False
             if monitor is not None:
                 sock.disable_monitor()
                 monitor.close(linger=0)
@@ -391,25 +400,27 @@ class Server:
         self._mark(session)
 
     def _mark(self, session: _Session) -> None:
-        """Have the flusher send what the session's requests produced."""
+        """Have `_flush` send what the session's requests produced: when the scheduler has
+        published the step, or for events outside a step, at the loop's next turn."""
         if session not in self._dirty:
+            if not self._dirty and self._loop is not None:
+                self._loop.call_soon(self._flush)  # (finds nothing after a step's flush)
             self._dirty[session] = None
-            self._flush_wanted.set()
 
-    async def _flush_loop(self) -> None:
-        while True:
-            await self._flush_wanted.wait()
-            self._flush_wanted = anyio.Event()
-            # The scheduler publishes a whole step at once, so its events are all here.
-            dirty, self._dirty = self._dirty, {}
-            with self._sock.sending():
-                for session in dirty:
-                    if session.deltas:
-                        self._send(session, p.encode(p.Deltas(session.deltas), session.minor))
-                        session.deltas = []
-                    terminals, session.terminals = session.terminals, []
-                    for terminal in terminals:
-                        self._send(session, p.encode(terminal, session.minor))
+    def _flush(self) -> None:
+        """Send each marked session ONE Deltas message with all its Deltas, then its
+        terminals; the scheduler calls this once it has published a whole step."""
+        if not self._dirty or not self._serving:
+            return
+        dirty, self._dirty = self._dirty, {}
+        with self._sock.sending():
+            for session in dirty:
+                if session.deltas:
+                    self._send(session, p.encode(p.Deltas(session.deltas), session.minor))
+                    session.deltas = []
+                terminals, session.terminals = session.terminals, []
+                for terminal in terminals:
+                    self._send(session, p.encode(terminal, session.minor))
 
     # -- sending ------------------------------------------------------------------------------
     def _send(self, session: _Session, payload: bytes) -> None:
@@ -430,7 +441,7 @@ class Server:
 
     def _try_send(self, session: _Session, payload: bytes) -> bool:
         try:
-            self._sock.send([session.identity, payload])
+            self._sock.send_to(session.identity, payload)
         except zmq.Again:
             return False
         except zmq.ZMQError as e:
@@ -451,7 +462,7 @@ class Server:
     def _reply(self, identity: bytes, message: p.Error) -> None:
         """Best effort to a peer without a session: dropped if it cannot be sent now."""
         with suppress(zmq.ZMQError):
-            self._sock.send([identity, p.encode(message)])
+            self._sock.send_to(identity, p.encode(message))
 
     # -- liveness -----------------------------------------------------------------------------
     async def _housekeeping(self) -> None:

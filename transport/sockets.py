@@ -75,6 +75,16 @@ class AsyncSocket:
         if not self._batching:
             self._wake_receiver()
 
+    def send_to(self, identity: bytes, payload: bytes) -> None:
+        """Send `payload` to the ROUTER peer `identity` without blocking: `send` of the two
+        frames with no list to build and walk (a server sends one such message per
+        connection per step)."""
+        sock = self.sock
+        _SEND_FRAME(sock, identity, _MORE)
+        _SEND_FRAME(sock, payload, _LAST)
+        if not self._batching:
+            self._wake_receiver()
+
     @contextmanager
     def sending(self) -> Iterator[None]:
         """A burst of sends: the receiver is woken once, at the end, not after each."""
