@@ -16,10 +16,11 @@
 #   they are defined.
 # Session 14 left a plan for the next lease (~1,700 s; move models/slotserve-demo.gguf out of
 # the tree for c1, README): c1; c2 with LEASE_MODELS="qwen3.5-0.8b:f16 qwen3.5-9b:q8_0"
-# (~260 s); p2 (llama.cpp's build starts, -j15, ~4.5 min; the staged kernel's GPU tests first,
-# then the MTP chain's: ~450 s); p1 (~170 s, which vCPUs are fast: set CPUS from it); p4
-# (~450 s, the staged loads A/B pinned); p3 (the suite pinned, ~400 s). Drop c9 and the MTP
-# tests first if time runs short.
+# (~260 s); p1 (~170 s, which vCPUs are fast: set CPUS from it; before the build, which
+# loads 15 cores); p2 (llama.cpp's build starts, -j15, ~4.5 min, done within the call; the
+# staged kernel's GPU tests first, then the MTP chain's: ~450 s); p4 (~450 s, the staged
+# loads A/B pinned); p3 (the suite pinned, ~400 s). Drop c9 and the MTP tests first if time
+# runs short.
 # About 1,800 s of device time in all: c6 is the first to drop. c3 lasts about as long as
 # the build (~6 min; bench/lease/README.md): send it with a 600 s limit.
 set -u
