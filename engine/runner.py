@@ -116,6 +116,11 @@ class RowOutput:
         return self._logits
 
     @property
+    def positions(self) -> int:
+        """How many positions the row has outputs for (without making the logits' slice)."""
+        return self.packed[3] if self.packed is not None else self.logits.shape[0]
+
+    @property
     def hidden(self) -> mx.array | None:
         if self._hidden is None and self.packed is not None:
             _, hidden, at, n = self.packed

@@ -18,7 +18,7 @@ from test_pool import snapshots_equal
 from engine.cache import SlotId, SlotPool, SlotSnapshot
 from engine.generate import greedy_tokens
 from engine.models.qwen35 import Model, load_model
-from engine.runner import DraftRow, ModelRunner, Row, RowOutput
+from engine.runner import DraftRow, ModelRunner, Row, RowOutput, verified_logits
 from engine.sampling import RequestRng, SamplingParams
 from engine.spec.drafters import Drafter, MTPDrafter, NgramDrafter
 from engine.spec.offline import GREEDY, Request, generate
@@ -519,25 +519,23 @@ def test_argmax_only_acceptance_reads_the_packed_logits_as_the_general_path_woul
     model: Model, monkeypatch: pytest.MonkeyPatch, uniform: bool
 ) -> None:
     """Greedy, unpenalized slots accept from one argmax over the step's packed logits
-    (`_accept_argmax`): the same tokens, acceptances, logprobs rows and pool as the general
-    path (slices joined, adjusted, argmax) — both drafters, ragged and uniform rows, every
-    slot asking for logprobs so each kept position's row is compared."""
+    (`runner.verified_logits`): the same tokens, acceptances, logprobs rows and pool as the
+    general path (slices joined, adjusted, argmax) — both drafters, ragged and uniform rows,
+    every slot asking for logprobs so each kept position's row is compared."""
     params = SamplingParams(temperature=0.0, logprobs=2)
 
     def run(fast: bool) -> tuple[list[list[Committed]], list[SlotSnapshot], int]:
         spec = speculator(model, "ngram+mtp", 4)
         spec.use_uniform_shapes(uniform)
         used = 0
-        real = spec._accept_argmax
 
-        def counted(*args: object) -> list[Committed]:
+        def counted(outputs: list[RowOutput]) -> tuple[mx.array, list[int]] | None:
             nonlocal used
-            used += 1
-            return real(*args)  # type: ignore[arg-type]
+            found = verified_logits(outputs) if fast else None
+            used += found is not None
+            return found
 
-        monkeypatch.setattr(spec, "_accept_argmax", counted)
-        if not fast:
-            monkeypatch.setattr("engine.spec.speculator.verified_logits", lambda outputs: None)
+        monkeypatch.setattr("engine.spec.speculator.verified_logits", counted)
         pool, runner = spec.runner.pool, spec.runner
         slots = [pool.allocate() for _ in range(4)]
         chosen = prompts(4, 7)

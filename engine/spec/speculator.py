@@ -23,6 +23,7 @@ with the trunk: run prefill chunks as `prefill_row(...)` and report them with
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,7 +37,6 @@ import numpy as np
 from engine.cache import SlotId
 from engine.runner import (
     ModelRunner,
-    Packed,
     Row,
     RowOutput,
     last_logits,
@@ -532,82 +532,56 @@ class Speculator:
         ks: list[int],
     ) -> list[Committed]:
         """A step where some slots verify drafts: exact acceptance over all of them."""
-        if all(d.params.argmax_only for d in decoding):
-            packed = verified_logits(outputs)
-            if packed is not None:
-                return self._accept_argmax(decoding, plans, outputs, ks, *packed)
-        params = [d.params for d, k in zip(decoding, ks, strict=True) for _ in range(k + 1)]
-        histories = [  # what the penalties count at each verified position
-            d.history + p.draft.tokens[:j] if d.params.penalized else []
-            for d, p, k in zip(decoding, plans, ks, strict=True)
-            for j in range(k + 1)
-        ]
-        logits = mx.concatenate([o.logits[: k + 1] for o, k in zip(outputs, ks, strict=True)])
-        adjusted = adjust_logits(logits, params, histories)
         uniforms = [d.rng.uniform(k + 1) for d, k in zip(decoding, ks, strict=True)]
-        if all(p.greedy for p in params):
-            # p is one-hot at each argmax: one argmax decides (`accept_greedy`), where the
-            # general rule builds p, q and the residual over the vocabulary (a dozen device
-            # ops of [N, K+1, V] each, every verify step)
-            best = greedy_tokens(adjusted)
-            n, nxt = accept_greedy(best, [plan.draft.tokens for plan in plans])
-        else:
-            p = _per_slot(distribution(adjusted, params), ks)
-            K = max(ks)
-            u_accept = np.ones((len(ks), K))
-            drafts = np.zeros((len(ks), K), dtype=np.int32)
-            for i, (u, plan) in enumerate(zip(uniforms, plans, strict=True)):
-                u_accept[i, : ks[i]] = u[:-1]
-                drafts[i, : ks[i]] = plan.draft.tokens
-            n, nxt = accept(
-                p,
-                _draft_distributions(plans, K, p.shape[-1]),
-                mx.array(drafts),
-                mx.array(ks, dtype=mx.int32),
-                u_accept,
-                np.array([u[-1] for u in uniforms]),
+        drafts = [plan.draft.tokens for plan in plans]
+        packed = verified_logits(outputs) if all(d.params.argmax_only for d in decoding) else None
+        if packed is not None:
+            # every slot takes the argmax of the model's own logits, its rows side by side in
+            # the step's packed logits: one argmax over them all, each slot's verified
+            # positions picked on the host (not a slice per row, joined, then adjusted)
+            seen, firsts = packed
+            everywhere = greedy_tokens(seen)
+            best = np.concatenate(
+                [everywhere[f : f + k + 1] for f, k in zip(firsts, ks, strict=True)]
             )
+            n, nxt = accept_greedy(best, drafts)
+        else:
+            params = [d.params for d, k in zip(decoding, ks, strict=True) for _ in range(k + 1)]
+            histories = [  # what the penalties count at each verified position
+                d.history + p.draft.tokens[:j] if d.params.penalized else []
+                for d, p, k in zip(decoding, plans, ks, strict=True)
+                for j in range(k + 1)
+            ]
+            logits = mx.concatenate([o.logits[: k + 1] for o, k in zip(outputs, ks, strict=True)])
+            seen = adjust_logits(logits, params, histories)
+            firsts = list(itertools.accumulate([k + 1 for k in ks[:-1]], initial=0))
+            if all(p.greedy for p in params):
+                # p is one-hot at each argmax: one argmax decides (`accept_greedy`), where the
+                # general rule builds p, q and the residual over the vocabulary (a dozen
+                # device ops of [N, K+1, V] each, every verify step)
+                n, nxt = accept_greedy(greedy_tokens(seen), drafts)
+            else:
+                p = _per_slot(distribution(seen, params), ks)
+                K = max(ks)
+                u_accept = np.ones((len(ks), K))
+                drafted = np.zeros((len(ks), K), dtype=np.int32)
+                for i, (u, tokens) in enumerate(zip(uniforms, drafts, strict=True)):
+                    u_accept[i, : ks[i]] = u[:-1]
+                    drafted[i, : ks[i]] = tokens
+                n, nxt = accept(
+                    p,
+                    _draft_distributions(plans, K, p.shape[-1]),
+                    mx.array(drafted),
+                    mx.array(ks, dtype=mx.int32),
+                    u_accept,
+                    np.array([u[-1] for u in uniforms]),
+                )
         # Rejected drafts (and filler: a row's outputs are all the positions it fed): every
         # such slot rolls back in one pool update per state kind.
         rejected = [
             (d.slot, int(a) + 1)
             for d, o, a in zip(decoding, outputs, n, strict=True)
-            if a + 1 < o.logits.shape[0]
-        ]
-        if rejected:
-            self.runner.pool.rollback_many(rejected)
-        committed, offset = [], 0
-        for d, plan, out, k, a, tok in zip(decoding, plans, outputs, ks, n, nxt, strict=True):
-            a = int(a)
-            self._commit(d.slot, plan, out, k, a)
-            wanted = [adjusted[offset + j] for j in range(a + 1)] if d.params.logprobs else []
-            committed.append(
-                Committed([*plan.draft.tokens[:a], int(tok)], wanted, k, a, plan.drafter)
-            )
-            offset += k + 1
-        return committed
-
-    def _accept_argmax(
-        self,
-        decoding: Sequence[DecodingSlot],
-        plans: list[_Plan],
-        outputs: Sequence[RowOutput],
-        ks: list[int],
-        logits: mx.array,
-        firsts: list[int],
-    ) -> list[Committed]:
-        """`_accept` for slots that all take the argmax of the model's own logits (greedy,
-        no penalty or bias), their rows side by side in the step's packed logits: one
-        argmax over all of them, each slot's verified positions picked on the host. The
-        same tokens, logprobs rows and rollbacks as the general path."""
-        for d, k in zip(decoding, ks, strict=True):
-            d.rng.uniform(k + 1)  # used up as the general path uses them (seeded streams)
-        everywhere = greedy_tokens(logits)
-        best = np.concatenate([everywhere[f : f + k + 1] for f, k in zip(firsts, ks, strict=True)])
-        n, nxt = accept_greedy(best, [plan.draft.tokens for plan in plans])
-        fed = [cast(Packed, o.packed)[3] for o in outputs]  # (not o.logits: a slice node each)
-        rejected = [
-            (d.slot, int(a) + 1) for d, m, a in zip(decoding, fed, n, strict=True) if a + 1 < m
+            if a + 1 < o.positions
         ]
         if rejected:
             self.runner.pool.rollback_many(rejected)
@@ -617,7 +591,9 @@ class Speculator:
         ):
             a = int(a)
             self._commit(d.slot, plan, out, k, a)
-            wanted = [logits[f + j] for j in range(a + 1)] if d.params.logprobs else []
+            # what the sampler saw at each kept position: the adjusted logits (= the model's
+            # own where every slot takes the argmax)
+            wanted = [seen[f + j] for j in range(a + 1)] if d.params.logprobs else []
             committed.append(
                 Committed([*plan.draft.tokens[:a], int(tok)], wanted, k, a, plan.drafter)
             )
