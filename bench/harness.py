@@ -457,11 +457,12 @@ def machine() -> dict[str, Any]:
 
 
 def _cpus_allowed() -> str | None:
-    if not hasattr(os, "sched_getaffinity"):
-        return None
-    from transport.cpus import format_list
+    from transport import cpus
 
-    return format_list(set(os.sched_getaffinity(0)))
+    try:
+        return cpus.format_list(cpus.allowed())
+    except cpus.CpuError:  # not Linux
+        return None
 
 
 def _version(dist: str) -> str | None:

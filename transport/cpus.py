@@ -52,11 +52,11 @@ def allowed() -> frozenset[int]:
 
 def check(cpus: frozenset[int]) -> frozenset[int]:
     """`cpus` if this process may run on all of them, else a `CpuError` naming the others."""
-    outside = cpus - allowed()
-    if outside:
+    may = allowed()
+    if not cpus <= may:
         raise CpuError(
-            f"CPUs {format_list(outside)} are not available to this process "
-            f"(it may run on {format_list(allowed())})"
+            f"CPUs {format_list(cpus - may)} are not available to this process "
+            f"(it may run on {format_list(may)})"
         )
     return cpus
 
@@ -74,10 +74,10 @@ def pin(cpus: frozenset[int]) -> None:
 
 def format_list(cpus: frozenset[int] | set[int]) -> str:
     """`cpus` as a CPU list, runs joined: {0, 1, 2, 5} -> "0-2,5"."""
-    out: list[str] = []
+    runs: list[list[int]] = []  # [first, last] of each run
     for c in sorted(cpus):
-        if out and out[-1].split("-")[-1] == str(c - 1):
-            out[-1] = f"{out[-1].split('-')[0]}-{c}"
+        if runs and runs[-1][1] == c - 1:
+            runs[-1][1] = c
         else:
-            out.append(str(c))
-    return ",".join(out)
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)

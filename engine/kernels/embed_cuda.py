@@ -3,11 +3,12 @@ dequantize them in the same pass.
 
 Through MLX ops a lookup in an affine-quantized table is three gathers (the packed words,
 the scales, the biases) and a dequantize: four launches before the first layer of every
-step, ~113 us of the 9B's one-row decode step on the H200 (docs/PERFORMANCE.md, session 10),
-where the whole step is ~4.5 ms. Here each thread reads one packed word of one token's row,
-the group's scale and bias, and writes the word's elements, computed as MLX's dequantize
-computes them (`scale * T(q) + bias` in the scales' type), so the rows are bit-identical to
-the portable ops'.
+step (a session 10 timeline put them at ~113 us of the 9B's ~4.5 ms one-row step; with
+decode-ahead, replacing them changed the 9B's tokens/s by nothing measurable: 227 / 231
+against 226, docs/PERFORMANCE.md session 14). Here each thread reads one packed word of
+one token's row, the group's scale and bias, and writes the word's elements, computed as
+MLX's dequantize computes them (`scale * T(q) + bias` in the scales' type), so the rows are
+bit-identical to the portable ops'.
 """
 
 from __future__ import annotations

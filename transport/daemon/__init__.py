@@ -87,7 +87,7 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
         mx.set_cache_limit(config.mlx_cache_limit)
         log.info("MLX buffer cache limited to %.1f MiB", config.mlx_cache_limit / 2**20)
     if config.cpus is not None:  # pinned by the CLI before any thread started
-        log.info("running on CPUs %s", cpus.format_list(set(os.sched_getaffinity(0))))
+        log.info("running on CPUs %s", cpus.format_list(cpus.allowed()))
     log.info("loading model %s (%.1f MiB)", path, path.stat().st_size / 2**20)
     t0 = time.perf_counter()
     # "dense": quantized matrices dequantized to floats at load — on a CPU MLX's quantized
