@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import mlx.core as mx
 import numpy as np
@@ -438,7 +438,9 @@ class MTPDrafter(Drafter):
                     runner.pool.truncate_mtp(piece.slot, piece.start + n)
                 done[i] += n
                 out[i] = res
-        return [o for o in out if o is not None]
+        if None in out:  # (a row with no tokens: dropping it would misalign the rest)
+            raise ValueError("MTP catch-up: a row with no tokens to feed")
+        return cast(list[tuple[mx.array, mx.array]], out)
 
     CHUNK = 64  # the longest uniform catch-up row: a longer backlog is fed in pieces
 
