@@ -109,7 +109,8 @@ def test_a_new_width_measures_plain_decode_first() -> None:
     ctrl = CostController()
     assert ctrl.choose([Offer(SlotId(0), "mtp", CAP)]) == [0]
     ctrl.observe_step(1, 0, 0.01)
-    assert ctrl.choose([Offer(SlotId(0), "mtp", CAP)]) == [CAP]  # untried: assume it is free
+    # untried: taken to cost nothing, but probed at its cheapest depth first
+    assert ctrl.choose([Offer(SlotId(0), "mtp", CAP)]) == [1]
 
 
 def test_unmeasured_depths_are_interpolated_from_measured_ones() -> None:
@@ -146,3 +147,40 @@ def test_one_slow_sample_does_not_bar_a_depth_for_good() -> None:
     ks = run(ctrl, world, width=1, steps=300)
     assert (ks[:40] == 0).all()  # the slow sample holds for a while ...
     assert ks[-100:].mean() >= 0.9  # ... then drafting is measured again, and pays
+
+
+def test_a_dear_drafter_is_probed_at_depth_1_and_ever_more_rarely() -> None:
+    """Where a draft of 1 costs five plain steps and a draft of 4 seventeen (the demo model
+    at N = 8 on the H200 costs ~2x and ~4.5x), "auto" must stay close to plain decode: no
+    full-depth probes, and re-tries that thin out (forgetting the dear depth every
+    `remeasure_every` steps re-probed it at full depth each time, in pairs: session 15
+    measured "auto" at half plain decode's speed)."""
+    world = World(alpha=0.6, base=10.0, per_depth=40.0)
+    ks = run(CostController(), world, width=8, steps=2000)
+    drafting = np.flatnonzero(ks.max(axis=1))
+    assert ks.max() == 1
+    assert len(drafting) <= 6
+    gaps = np.diff(drafting)
+    assert (gaps[1:] >= gaps[:-1]).all()  # each re-try waits at least as long as the last
+    assert time_per_token(world, ks[100:]) <= 1.01 * world.base / 8
+
+
+def test_a_width_borrows_a_neighbours_drafting_costs() -> None:
+    """A batch that loses a slot (8 -> 7) measures its plain step once and then decides
+    from width 8's drafting costs, scaled: no probe where drafting does not pay, drafting
+    at full depth where it does."""
+    dear = World(alpha=0.5, base=10.0, per_depth=12.0)
+    ctrl = CostController()
+    run(ctrl, dear, width=8, steps=300)
+    ks = run(ctrl, dear, width=7, steps=50)
+    assert (ks == 0).all()  # plain first, then no probe
+    cheap = World(alpha=0.9, base=10.0, per_depth=3.0)
+    ctrl = CostController()
+    run(ctrl, cheap, width=8, steps=300)
+    assert run(ctrl, cheap, width=7, steps=1).max() == 0
+    assert ctrl.predict(7, 2) == pytest.approx(
+        ctrl.seconds[7][0] * ctrl.predict(8, 2) / ctrl.seconds[8][0], rel=1e-9
+    )
+    assert ctrl.choose([Offer(SlotId(i), "mtp", CAP) for i in range(7)]) == [CAP] * 7
+    ctrl.observe_step(3, 0, 0.01)  # 8 is too far from 3 to borrow from: taken to cost nothing
+    assert ctrl.predict(3, 2) == 0.01

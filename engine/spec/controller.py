@@ -10,11 +10,20 @@ acceptance rate alone.
   Depth, not the number of draft tokens, is what a step pays for first: rows are
   padded to the longest, verify rows take the stepwise recurrence, and each MTP
   depth is one more head forward for all slots together. Entries are
-  exponentially weighted averages; a sample is clipped to four times the
-  prediction so one compile or page-fault stall does not swing them. A depth not
+  exponentially weighted averages; a sample is clipped to four times the entry
+  so one compile or page-fault stall does not swing them (a depth's first
+  sample is taken as it is: what preceded it was a guess). A depth not
   measured yet at this width is interpolated linearly between measured depths
-  (beyond the deepest one, extrapolated along the line from D = 0); with only
-  plain decode measured it is taken to cost nothing — so it gets tried.
+  (beyond the deepest one, extrapolated along the line from D = 0). A width that
+  has measured only plain decode borrows a nearby width's drafting costs (within
+  a factor of two of it, the nearest), relative to that width's plain step: a
+  batch that lost or gained a slot does not pay for probing again. With nothing
+  to borrow, drafting is taken to cost nothing — so it gets tried.
+* Probing: a width drafts at most one depth past the deepest it has measured
+  (or borrowed; a doubted depth, below, does not count), so the first try of a
+  drafter is its cheapest step (D = 1), not its most expensive — on a device
+  where a draft of 4 costs five plain steps, a full-depth probe that does not
+  pay costs two of those (the first, catching the drafter up, is not timed).
 * Tokens: a slot drafting k commits 1 + a + a^2 + ... + a^k on average, where a is
   its per-token acceptance rate with that drafter: (accepted + 1) / (tried + 1)
   over exponentially decayed counts of its draft tokens — optimistic (1) while
@@ -27,13 +36,19 @@ acceptance rate alone.
   width with no plain measurement runs plain first.
 * Recovery: while a slot could draft but does not, its counts fade by
   `idle_decay` a step, so its rate drifts back up until drafting looks worth a
-  try again — soon when drafts are cheap or the rate was marginal, rarely when
-  they are dear and the drafter hopeless (a few percent of steps either way). A width that has not run plain for
-  `remeasure_every` steps runs plain once to re-measure, and a depth not measured at a
-  width for as many steps counts as unmeasured again (so it is predicted from the
-  others, and tried): one slow sample — a pause of the host, another process on the
-  device; the speculator already leaves out a drafter's catch-up and a step that compiled
-  a new batch shape — must not bar a depth for good.
+  try again. A width that has not run plain for `remeasure_every` steps runs
+  plain once to re-measure. The first drafting depth past the deepest a width
+  runs, once not run for `remeasure_every` steps, is doubted: its excess over
+  plain decode is halved (again each time as many steps pass without it), and
+  its next sample replaces it instead of being averaged in; a sample dearer than
+  the halved guess doubles the wait for its next doubt (up to 16x). One slow sample — a
+  pause of the host, another process on the device; the speculator already
+  leaves out a drafter's catch-up and a step that compiled a new batch shape —
+  so does not bar a depth for good, while a dear depth is re-tried ever more
+  rarely, and at its cheapest. (Forgetting a stale depth instead, as before
+  session 15, made every re-try a full-depth probe: "auto" at N = 8 on the demo
+  model ran at 0.51x plain decode on the H200, and its trace on a CPU showed
+  such probes after every forgetting and at every new batch width.)
 
 Modes per slot: "off" never drafts, "on" always drafts its full cap (so a seeded
 request replays exactly), "auto" follows the controller.
@@ -105,6 +120,9 @@ class CostController:
     _steps: dict[int, int] = field(default_factory=dict)  # steps observed per width
     # (width, depth) -> the width's step count when that depth last ran
     _measured_at: dict[tuple[int, int], int] = field(default_factory=dict)
+    # (width, depth) -> the width's step count when it was halved, of depths not run since
+    _doubted: dict[tuple[int, int], int] = field(default_factory=dict)
+    _waits: dict[tuple[int, int], int] = field(default_factory=dict)  # (width, depth) -> steps
 
     def rate(self, slot: SlotId, drafter: str) -> float:
         """Estimated chance that the slot's next draft token from `drafter` is accepted."""
@@ -127,6 +145,18 @@ class CostController:
         table = self.seconds.get(width, {})
         if depth in table or 0 not in table:
             return table.get(depth)
+        if len(table) == 1:  # only plain decode here: a nearby width's costs, scaled
+            near = self._neighbour(width)
+            if near is not None:
+                other = self.seconds[near]
+                return table[0] * self._interpolate(other, depth) / other[0]
+        return self._interpolate(table, depth)
+
+    @staticmethod
+    def _interpolate(table: dict[int, float], depth: int) -> float:
+        """A depth's seconds from a width's table that holds plain decode (D = 0)."""
+        if depth in table:
+            return table[depth]
         below = max(d for d in table if d < depth)
         above = [d for d in table if d > depth]
         if above:
@@ -136,13 +166,53 @@ class CostController:
         slope = (table[below] - table[0]) / below if below else 0.0
         return table[0] + slope * depth
 
-    def _forget_stale(self, width: int) -> None:
-        """Drop the width's drafting depths not measured for `remeasure_every` of its steps:
-        they are predicted from the others again, and so tried (plain decode is
+    def _neighbour(self, width: int) -> int | None:
+        """The nearest width within a factor of two that has measured plain decode and some
+        drafting depth (the wider on a tie), or None."""
+        near = [
+            w
+            for w, t in self.seconds.items()
+            if w != width and 0 in t and len(t) > 1 and w <= 2 * width and width <= 2 * w
+        ]
+        return min(near, key=lambda w: (abs(w - width), -w), default=None)
+
+    def _reach(self, width: int) -> int:
+        """The deepest draft a step of `width` may try: one past the deepest it has measured
+        (its own, else its neighbour's; a doubted depth is a guess, not a measurement)."""
+        at = width
+        if len(self.seconds.get(width, {})) == 1:
+            near = self._neighbour(width)
+            at = near if near is not None else width
+        known = [d for d in self.seconds.get(at, {}) if (at, d) not in self._doubted]
+        return max(known, default=0) + 1
+
+    def _doubt_stale(self, width: int) -> None:
+        """Halve the excess over plain decode of the width's first drafting depth past the
+        deepest it runs, once that depth has gone unrun (or unrun since it was last
+        halved) for its wait, and let its next sample replace it (plain decode is
         re-measured on its own schedule)."""
         table = self.seconds.get(width, {})
-        for d in [d for d in table if d and self._age(width, d) >= self.remeasure_every]:
-            del table[d]
+        if 0 not in table:
+            return
+        now = self._steps.get(width, 0)
+
+        def runs(d: int) -> bool:
+            return not d or (
+                self._age(width, d) < self.remeasure_every and (width, d) not in self._doubted
+            )
+
+        past = [d for d in table if d > max(filter(runs, table))]
+        if not past:
+            return
+        d = min(past)
+        since = max(self._measured_at.get((width, d), now), self._doubted.get((width, d), 0))
+        if now - since >= self._wait(width, d):
+            table[d] = table[0] + max(0.0, table[d] - table[0]) / 2
+            self._doubted[width, d] = now
+
+    def _wait(self, width: int, depth: int) -> int:
+        """Steps a drafting depth goes unrun at a width before it is doubted."""
+        return self._waits.get((width, depth), self.remeasure_every)
 
     def _age(self, width: int, depth: int) -> int:
         """Steps of `width` since one of depth `depth` ran (0 if none has)."""
@@ -152,7 +222,7 @@ class CostController:
     def choose(self, offers: Sequence[Offer]) -> list[int]:
         """Draft depth per offer for a step whose batch width is `len(offers)`."""
         width = len(offers)
-        self._forget_stale(width)
+        self._doubt_stale(width)
         ks = [o.cap if o.mode == "on" else 0 for o in offers]
         auto = [i for i, o in enumerate(offers) if o.mode == "auto" and o.cap > 0]
         stale = self._age(width, 0) >= self.remeasure_every and not any(ks)
@@ -168,7 +238,8 @@ class CostController:
         width = len(offers)
         joining = [i for i in auto if self.rate(offers[i].slot, offers[i].drafter) >= self.min_rate]
         best, best_rate = ks, -1.0
-        for depth in range(max(ks), max(offers[i].cap for i in auto) + 1):
+        deepest = max(max(ks), min(max(offers[i].cap for i in auto), self._reach(width)))
+        for depth in range(max(ks), deepest + 1):
             trial = list(ks)
             for i in joining if depth else []:
                 trial[i] = min(depth, offers[i].cap)
@@ -185,11 +256,18 @@ class CostController:
     def observe_step(self, width: int, depth: int, seconds: float) -> None:
         """A step of `width` decoding slots whose deepest draft was `depth` took `seconds`."""
         table = self.seconds.setdefault(width, {})
-        predicted = self.predict(width, depth)
-        if predicted is not None and predicted > 0:
-            seconds = min(seconds, 4 * predicted)
         old = table.get(depth)
-        table[depth] = seconds if old is None else old + self.smoothing * (seconds - old)
+        if (width, depth) in self._doubted:  # an estimate, not a measurement: replaced
+            del self._doubted[width, depth]
+            # doubted in vain (dearer than the halved guess): doubted half as often from now on
+            dear = old is not None and seconds > old
+            wait = 2 * self._wait(width, depth) if dear else self.remeasure_every
+            self._waits[width, depth] = min(wait, 16 * self.remeasure_every)
+            old = None
+        if old is None:  # a first measurement (a guess preceded it: nothing to clip to)
+            table[depth] = seconds
+        else:  # one stall moves a measurement at most so far
+            table[depth] = old + self.smoothing * (min(seconds, 4 * old) - old)
         self._steps[width] = self._steps.get(width, 0) + 1
         self._measured_at[width, depth] = self._steps[width]
 
