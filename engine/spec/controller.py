@@ -13,8 +13,8 @@ acceptance rate alone.
   exponentially weighted averages; a sample is clipped to four times the entry
   so one compile or page-fault stall does not swing them (a depth's first
   sample is taken as it is: what preceded it was a guess). A depth not
-  measured yet at this width is interpolated linearly between measured depths
-  (beyond the deepest one, extrapolated along the line from D = 0). A width that
+  measured yet at this width is interpolated linearly between measured depths;
+  past the deepest one it is taken at the deepest's price. A width that
   has measured only plain decode borrows a nearby width's drafting costs (within
   a factor of two of it, the nearest), relative to that width's plain step: a
   batch that lost or gained a slot does not pay for probing again. With nothing
@@ -24,6 +24,11 @@ acceptance rate alone.
   drafter is its cheapest step (D = 1), not its most expensive — on a device
   where a draft of 4 costs five plain steps, a full-depth probe that does not
   pay costs two of those (the first, catching the drafter up, is not timed).
+  Taking the next depth at the deepest's price walks a drafter whose round
+  costs about the same at any depth (MTP's head on a small model: catch-up and
+  chain are launches) up to the depth that pays, one probe at a time, where a
+  line through the costs so far would have stopped at a draft of 1 that does
+  not.
 * Tokens: a slot drafting k commits 1 + a + a^2 + ... + a^k on average, where a is
   its per-token acceptance rate with that drafter: (accepted + 1) / (tried + 1)
   over exponentially decayed counts of its draft tokens — optimistic (1) while
@@ -163,8 +168,7 @@ class CostController:
             hi = min(above)
             w = (depth - below) / (hi - below)
             return (1 - w) * table[below] + w * table[hi]
-        slope = (table[below] - table[0]) / below if below else 0.0
-        return table[0] + slope * depth
+        return table[below]  # past the deepest measured: the price of the deepest (a probe's)
 
     def _neighbour(self, width: int) -> int | None:
         """The nearest width within a factor of two that has measured plain decode and some
