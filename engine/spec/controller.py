@@ -43,17 +43,19 @@ acceptance rate alone.
   `idle_decay` a step, so its rate drifts back up until drafting looks worth a
   try again. A width that has not run plain for `remeasure_every` steps runs
   plain once to re-measure. The first drafting depth past the deepest a width
-  runs, once not run for `remeasure_every` steps, is doubted: its excess over
-  plain decode is halved (again each time as many steps pass without it), and
-  its next sample replaces it instead of being averaged in; a sample dearer than
-  the halved guess doubles the wait for its next doubt (up to 16x). One slow sample — a
-  pause of the host, another process on the device; the speculator already
-  leaves out a drafter's catch-up and a step that compiled a new batch shape —
-  so does not bar a depth for good, while a dear depth is re-tried ever more
-  rarely, and at its cheapest. (Forgetting a stale depth instead, as before
-  session 15, made every re-try a full-depth probe: "auto" at N = 8 on the demo
-  model ran at 0.51x plain decode on the H200, and its trace on a CPU showed
-  such probes after every forgetting and at every new batch width.)
+  has in use (run in the last `remeasure_every` steps, and not a depth whose
+  last doubt was in vain), once not run for as many steps, is doubted: its
+  excess over plain decode is halved (again each time as many steps pass without
+  it), and its next sample replaces it instead of being averaged in; a sample
+  dearer than the halved guess doubles the wait for its next doubt (up to 16x).
+  One slow sample — a pause of the host, another process on the device; the
+  speculator already leaves out a drafter's catch-up and a step that compiled a
+  new batch shape — so does not bar a depth for good, while a dear depth is
+  re-tried ever more rarely, and at its cheapest. (Forgetting a stale depth
+  instead, as before session 15, made every re-try a full-depth probe: "auto" at
+  N = 8 on the demo model ran at 0.51x plain decode on the H200, and its trace
+  on a CPU showed such probes after every forgetting and at every new batch
+  width.)
 
 Modes per slot: "off" never drafts, "on" always drafts its full cap (so a seeded
 request replays exactly), "auto" follows the controller.
@@ -200,9 +202,10 @@ class CostController:
             return
         now = self._steps.get(width, 0)
 
-        def runs(d: int) -> bool:
+        def runs(d: int) -> bool:  # in use: run lately, and not a doubt found dear since
+            recent = self._age(width, d) < self.remeasure_every
             return not d or (
-                self._age(width, d) < self.remeasure_every and (width, d) not in self._doubted
+                recent and (width, d) not in self._doubted and not self._dear(width, d)
             )
 
         past = [d for d in table if d > max(filter(runs, table))]
@@ -213,6 +216,10 @@ class CostController:
         if now - since >= self._wait(width, d):
             table[d] = table[0] + max(0.0, table[d] - table[0]) / 2
             self._doubted[width, d] = now
+
+    def _dear(self, width: int, depth: int) -> bool:
+        """Whether the depth's last doubt was in vain (its wait was doubled)."""
+        return self._wait(width, depth) > self.remeasure_every
 
     def _wait(self, width: int, depth: int) -> int:
         """Steps a drafting depth goes unrun at a width before it is doubted."""
