@@ -198,3 +198,26 @@ def test_a_round_of_mostly_fixed_cost_is_walked_up_to_the_depth_that_pays() -> N
     assert per_token[1] > per_token[0] > per_token[CAP]  # (the world is as described)
     ks = run(CostController(), world, width=8, steps=400)
     assert (ks[-200:] == CAP).mean() >= 0.9
+
+
+def test_re_measuring_a_doubted_depth_does_not_set_off_the_doubt_of_the_next() -> None:
+    """A doubt's re-try runs a depth once; that must not count as the depth being in use,
+    or the depth past it is doubted (and probed) straight after, and so on down the line
+    (traced on a CPU at N = 1: depths 1, 2, 3 re-tried on consecutive rounds)."""
+    ctrl = CostController(remeasure_every=4)
+    offers = [Offer(SlotId(i), "mtp", CAP) for i in range(8)]
+    for depth, seconds in [(0, 0.010), (1, 0.050), (2, 0.090)]:
+        ctrl.observe_step(8, depth, seconds)
+    for _ in range(8):
+        ctrl.observe_step(8, 0, 0.010)
+    ctrl.choose(offers)
+    assert ctrl.seconds[8][1] == pytest.approx(0.030)  # doubted: the excess halved
+    ctrl.observe_step(8, 1, 0.050)  # the re-try: as dear as before
+    for _ in range(3):
+        ctrl.choose(offers)
+        ctrl.observe_step(8, 0, 0.010)
+    assert ctrl.seconds[8] == {0: pytest.approx(0.010), 1: 0.050, 2: 0.090}
+    for _ in range(4):  # depth 1 in use now (its drafts came to pay): depth 2 may be doubted
+        ctrl.observe_step(8, 1, 0.050)
+    ctrl.choose(offers)
+    assert ctrl.seconds[8][2] == pytest.approx(0.050)

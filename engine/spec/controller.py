@@ -39,23 +39,22 @@ acceptance rate alone.
 * Choice: every "auto" slot whose rate is at least `min_rate` drafts
   min(D, its cap); D is the depth with the most expected tokens per second. A
   width with no plain measurement runs plain first.
-* Recovery: while a slot could draft but does not, its counts fade by
-  `idle_decay` a step, so its rate drifts back up until drafting looks worth a
-  try again. A width that has not run plain for `remeasure_every` steps runs
-  plain once to re-measure. The first drafting depth past the deepest a width
-  has in use (run in the last `remeasure_every` steps, and not a depth whose
-  last doubt was in vain), once not run for as many steps, is doubted: its
-  excess over plain decode is halved (again each time as many steps pass without
-  it), and its next sample replaces it instead of being averaged in; a sample
-  dearer than the halved guess doubles the wait for its next doubt (up to 16x).
-  One slow sample — a pause of the host, another process on the device; the
-  speculator already leaves out a drafter's catch-up and a step that compiled a
-  new batch shape — so does not bar a depth for good, while a dear depth is
-  re-tried ever more rarely, and at its cheapest. (Forgetting a stale depth
-  instead, as before session 15, made every re-try a full-depth probe: "auto" at
-  N = 8 on the demo model ran at 0.51x plain decode on the H200, and its trace
-  on a CPU showed such probes after every forgetting and at every new batch
-  width.)
+* Recovery: while a slot could draft but does not, its counts fade by `idle_decay`
+  a step, so its rate drifts back up until drafting looks worth a try again. A
+  width that has not run plain for `remeasure_every` steps runs plain once to
+  re-measure. The first drafting depth past the deepest a width has in use (run
+  twice in the last `remeasure_every` steps: a probe runs once), once not run for
+  as many steps, is doubted: its excess over plain decode is halved (again each
+  time as many steps pass without it), and its next sample replaces it instead of
+  being averaged in; a sample dearer than the halved guess doubles the wait for
+  its next doubt (up to 16x). One slow sample — a pause of the host, another
+  process on the device; the speculator already leaves out a drafter's catch-up
+  and a step that compiled a new batch shape — so does not bar a depth for good,
+  while a dear depth is re-tried ever more rarely, and at its cheapest.
+  (Forgetting a stale depth instead, as before session 15, made every re-try a
+  full-depth probe: "auto" at N = 8 on the demo model ran at 0.51x plain decode on
+  the H200, and its trace on a CPU showed such probes after every forgetting and
+  at every new batch width.)
 
 Modes per slot: "off" never drafts, "on" always drafts its full cap (so a seeded
 request replays exactly), "auto" follows the controller.
@@ -127,6 +126,7 @@ class CostController:
     _steps: dict[int, int] = field(default_factory=dict)  # steps observed per width
     # (width, depth) -> the width's step count when that depth last ran
     _measured_at: dict[tuple[int, int], int] = field(default_factory=dict)
+    _measured_before: dict[tuple[int, int], int] = field(default_factory=dict)  # the run before
     # (width, depth) -> the width's step count when it was halved, of depths not run since
     _doubted: dict[tuple[int, int], int] = field(default_factory=dict)
     _waits: dict[tuple[int, int], int] = field(default_factory=dict)  # (width, depth) -> steps
@@ -202,11 +202,9 @@ class CostController:
             return
         now = self._steps.get(width, 0)
 
-        def runs(d: int) -> bool:  # in use: run lately, and not a doubt found dear since
-            recent = self._age(width, d) < self.remeasure_every
-            return not d or (
-                recent and (width, d) not in self._doubted and not self._dear(width, d)
-            )
+        def runs(d: int) -> bool:  # in use: run twice lately (a probe runs once)
+            before = self._measured_before.get((width, d))
+            return not d or (before is not None and now - before < self.remeasure_every)
 
         past = [d for d in table if d > max(filter(runs, table))]
         if not past:
@@ -216,10 +214,6 @@ class CostController:
         if now - since >= self._wait(width, d):
             table[d] = table[0] + max(0.0, table[d] - table[0]) / 2
             self._doubted[width, d] = now
-
-    def _dear(self, width: int, depth: int) -> bool:
-        """Whether the depth's last doubt was in vain (its wait was doubled)."""
-        return self._wait(width, depth) > self.remeasure_every
 
     def _wait(self, width: int, depth: int) -> int:
         """Steps a drafting depth goes unrun at a width before it is doubted."""
@@ -280,6 +274,8 @@ class CostController:
         else:  # one stall moves a measurement at most so far
             table[depth] = old + self.smoothing * (min(seconds, 4 * old) - old)
         self._steps[width] = self._steps.get(width, 0) + 1
+        if (width, depth) in self._measured_at:
+            self._measured_before[width, depth] = self._measured_at[width, depth]
         self._measured_at[width, depth] = self._steps[width]
 
     def observe_round(self, slot: SlotId, drafter: str, drafted: int, accepted: int) -> None:
