@@ -151,8 +151,16 @@ def test_precompiled_mtp_shapes_serve_a_drifting_batch_without_a_cold_draft(mode
     catch-ups included (rows of 64 tokens); greedy requests decode what plain decoding
     does. Without the precompile the same run meets cold head shapes."""
     slots, context = 4, 128
+    # "on": every width drafts, whatever the cost controller would make of it on this CPU
+    # (since session 15 a width that lost a slot borrows the wider one's costs instead of
+    # probing, so under "auto" a width may run plain throughout)
     requests = [
-        Request(p, n, params=GREEDY if i != 2 else SamplingParams(temperature=0.8, top_k=5))
+        Request(
+            p,
+            n,
+            params=GREEDY if i != 2 else SamplingParams(temperature=0.8, top_k=5),
+            speculation="on",
+        )
         for i, (p, n) in enumerate(zip(prompts(slots, 9), (100, 70, 40, 15), strict=True))
     ]
     cold_by_precompile = []
