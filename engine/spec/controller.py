@@ -194,9 +194,9 @@ class CostController:
 
     def _doubt_stale(self, width: int) -> None:
         """Halve the excess over plain decode of the width's first drafting depth past the
-        deepest it runs, once that depth has gone unrun (or unrun since it was last
-        halved) for its wait, and let its next sample replace it (plain decode is
-        re-measured on its own schedule)."""
+        deepest it has in use (run twice within `remeasure_every` steps), once that depth
+        has gone unrun (or unrun since it was last halved) for its wait, and let its next
+        sample replace it (plain decode is re-measured on its own schedule)."""
         table = self.seconds.get(width, {})
         if 0 not in table:
             return
