@@ -360,6 +360,25 @@ def prompt_vocab(path: Path) -> int:
     return min(GGUFFile(path).config.n_vocab, 32768)
 
 
+def timing(
+    f: Callable[..., Any],
+    record: Callable[[float], object],
+    counted: Callable[..., bool] = lambda *a, **kw: True,
+) -> Callable[..., Any]:
+    """BENCHMARK ONLY: `f`, each call that `counted(*args)` approves passing its wall seconds
+    (any wait for the device it makes included) to `record`."""
+
+    def timed(*a: Any, **kw: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return f(*a, **kw)
+        finally:
+            if counted(*a, **kw):
+                record(time.perf_counter() - t)
+
+    return timed
+
+
 def time_calls(
     owner: object,
     name: str,
@@ -368,18 +387,12 @@ def time_calls(
     counted: Callable[..., bool] = lambda *a, **kw: True,
 ) -> None:
     """BENCHMARK ONLY: wrap `owner.name` so that each call `counted(*args)` approves adds its
-    wall seconds (any wait for the device it makes included) to `spent[label]`."""
-    inner = getattr(owner, name)
+    wall seconds to `spent[label]` (`timing`)."""
 
-    def timed(*a: Any, **kw: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return inner(*a, **kw)
-        finally:
-            if counted(*a, **kw):
-                spent[label] = spent.get(label, 0.0) + time.perf_counter() - t
+    def add(seconds: float) -> None:
+        spent[label] = spent.get(label, 0.0) + seconds
 
-    setattr(owner, name, timed)
+    setattr(owner, name, timing(getattr(owner, name), add, counted))
 
 
 def median(xs: Sequence[float]) -> float:

@@ -14,29 +14,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import harness  # noqa: F401  (puts the repository root on the path)
+import harness
 import mlx.core as mx
 import numpy as np
 import spec_phases
 
 from engine.cache import SlotPool
 from engine.runner import ModelRunner
-
-
-def timed(spent: dict[str, list[float]], name: str, f: Callable[..., Any]) -> Callable[..., Any]:
-    def call(*args: Any, **kwargs: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return f(*args, **kwargs)
-        finally:
-            spent.setdefault(name, []).append(time.perf_counter() - t)
-
-    return call
 
 
 def main() -> None:
@@ -46,34 +34,31 @@ def main() -> None:
     p.add_argument("--gen", type=int, default=48)
     args = p.parse_args()
     spent: dict[str, list[float]] = {}
-    draft, draft_fn = ModelRunner.draft, ModelRunner._draft_fn
+
+    def timed(label: str, f: Callable[..., Any]) -> Callable[..., Any]:
+        return harness.timing(f, lambda s: spent.setdefault(label, []).append(s))
+
+    draft, draft_fn = timed("catch-up, host", ModelRunner.draft), ModelRunner._draft_fn
     queue = mx.async_eval
 
     def host_only(self: ModelRunner, *a: Any, **k: Any) -> Any:
         mx.async_eval = lambda *arrays: None  # the chain's evaluation runs it instead
         try:
-            return timed(spent, "catch-up, host", draft)(self, *a, **k)
+            return draft(self, *a, **k)
         finally:
             mx.async_eval = queue
 
     ModelRunner.draft = host_only  # type: ignore[method-assign]
     ModelRunner._draft_fn = lambda self, *a, **k: timed(  # type: ignore[method-assign]
-        spent, "  compiled head call", draft_fn(self, *a, **k)
+        "  compiled head call", draft_fn(self, *a, **k)
     )
-    SlotPool.read_mtp = timed(spent, "  pool read", SlotPool.read_mtp)  # type: ignore[method-assign]
-    SlotPool.write_mtp = timed(spent, "  pool write", SlotPool.write_mtp)  # type: ignore[method-assign]
+    SlotPool.read_mtp = timed("  pool read", SlotPool.read_mtp)  # type: ignore[method-assign]
+    SlotPool.write_mtp = timed("  pool write", SlotPool.write_mtp)  # type: ignore[method-assign]
     for n in args.n.split(","):
         spent.clear()
         sys.argv = [sys.argv[0], "--model", str(args.model), "--n", n, "--gen", str(args.gen)]
-        sys.argv += [
-            "--configs",
-            "mtp:on",
-            "--uniform",
-            "--compile",
-            "--precompile",
-            "--warmup",
-            "1",
-        ]
+        sys.argv += ["--configs", "mtp:on", "--uniform", "--compile", "--precompile"]
+        sys.argv += ["--warmup", "1"]
         spec_phases.main()
         print(f"\n| N = {n} | calls | median ms |\n|---|---|---|")
         for name, v in spent.items():
