@@ -1,8 +1,8 @@
 """The speculation cost controller against simulated step times: how often it drafts, and what
 its choices cost per token against plain decode and against the best fixed depth.
 
-Each world gives a step's time from its deepest draft (a fixed cost per drafting round, one
-per depth) and accepts each draft token with a fixed chance, drawn at random; the controller
+Each world gives a step's time from its drafts (a fixed cost per drafting round, one per depth
+of the deepest) and accepts each draft token with a fixed chance, drawn at random; the controller
 (`engine.spec.controller.CostController`) sees only those times and acceptances, as the
 speculator feeds it. No model runs: this measures the controller's policy, not the engine.
 Run it from another tree (`cd OTHER && python /path/to/bench/controller_sim.py`) to compare
@@ -20,59 +20,64 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path.cwd()))  # the tree run from, ahead of an installed one
+if __name__ == "__main__":  # the tree run from, ahead of an installed one
+    sys.path.insert(0, str(Path.cwd()))
 
 from engine.cache import SlotId
 from engine.spec.controller import CostController, Offer
 
-CAP = 4
+CAP = 4  # each slot's draft cap
 
 
-@dataclass(frozen=True)
+@dataclass
 class World:
-    """Step ms = base, + per_round + per_depth x the deepest draft when anything drafts."""
+    """Step ms = base + per_depth x deepest draft + per_token x draft tokens, + per_round
+    when anything drafts; each draft token is accepted with `alpha`. (Also the world of
+    `tests/test_spec_controller.py`.)"""
 
-    name: str
-    width: int
     alpha: float
-    base: float
-    per_round: float
-    per_depth: float
-    steps: int
+    base: float = 10.0
+    per_depth: float = 0.5
+    per_token: float = 0.0
+    per_round: float = 0.0
 
-    def step_ms(self, depth: int) -> float:
-        return self.base + (self.per_round + self.per_depth * depth if depth else 0.0)
-
-    def ms_per_token(self, ks: np.ndarray) -> float:
-        """Expected ms per committed token of choices `[steps, width]`."""
-        a = self.alpha
-        tokens = sum(1 + sum(a**d for d in range(1, int(k) + 1)) for k in ks.ravel())
-        return sum(self.step_ms(int(row.max())) for row in ks) / tokens
+    def step_ms(self, ks: np.ndarray) -> float:
+        deepest = float(ks.max(initial=0))
+        fixed = self.per_round if deepest else 0.0
+        return self.base + fixed + self.per_depth * deepest + self.per_token * float(ks.sum())
 
 
-WORLDS = [
-    World("dear: a draft of 1 costs 5 plain steps, of 4 17", 8, 0.6, 10.0, 0.0, 40.0, 2000),
-    World("mid: a draft of 1 costs 1.9 plain steps", 8, 0.6, 10.0, 0.0, 9.0, 2000),
-    World("fixed: a round adds 1.04 plain steps, depth 4 pays", 8, 0.7, 1.44, 1.5, 0.1, 600),
-    World("fixed, one slot", 1, 0.7, 1.44, 1.5, 0.1, 600),
-]
-
-
-def run(world: World, seed: int) -> np.ndarray:
-    """The controller's depths `[steps, width]` over the world's steps."""
+def run(ctrl: CostController, world: World, width: int, steps: int, seed: int = 0) -> np.ndarray:
+    """Drive the controller for `steps` steps of `width` slots, each offering `CAP` drafts,
+    as the speculator feeds it; returns the chosen depths `[steps, width]`."""
     rng = np.random.default_rng(seed)
-    ctrl = CostController()
-    slots = [SlotId(i) for i in range(world.width)]
+    slots = [SlotId(i) for i in range(width)]
     chosen = []
-    for _ in range(world.steps):
+    for _ in range(steps):
         ks = np.array(ctrl.choose([Offer(s, "mtp", CAP) for s in slots]))
         for s, k in zip(slots, ks, strict=True):
             if k:
                 accepted = int(np.cumprod(rng.random(k) < world.alpha).sum())
                 ctrl.observe_round(s, "mtp", int(k), accepted)
-        ctrl.observe_step(world.width, int(ks.max()), world.step_ms(int(ks.max())) / 1e3)
+        ctrl.observe_step(width, int(ks.max()), world.step_ms(ks) / 1e3)
         chosen.append(ks)
     return np.array(chosen)
+
+
+def time_per_token(world: World, ks: np.ndarray) -> float:
+    """Expected ms per committed token of a run's choices `[steps, width]` in `world`."""
+    a = world.alpha
+    tokens = sum(1 + sum(a**d for d in range(1, int(k) + 1)) for k in ks.ravel())
+    return sum(world.step_ms(row) for row in ks) / tokens
+
+
+FIXED = World(0.7, base=1.44, per_depth=0.1, per_round=1.5)
+SCENARIOS = [  # (name, world, width, steps)
+    ("dear: a draft of 1 costs 5 plain steps, of 4 17", World(0.6, per_depth=40.0), 8, 2000),
+    ("mid: a draft of 1 costs 1.9 plain steps", World(0.6, per_depth=9.0), 8, 2000),
+    ("fixed: a round adds 1.04 plain steps, depth 4 pays", FIXED, 8, 600),
+    ("fixed, one slot", FIXED, 1, 600),
+]
 
 
 def main() -> None:
@@ -82,18 +87,18 @@ def main() -> None:
     args = p.parse_args()
     print("| world | width | steps that draft (by depth 1-4) | ms/token vs plain | vs best depth |")
     print("|---|---|---|---|---|")
-    for w in WORLDS:
-        plain = w.ms_per_token(np.zeros((1, w.width), dtype=int))
-        best = min(w.ms_per_token(np.full((1, w.width), k)) for k in range(CAP + 1))
+    for name, w, width, steps in SCENARIOS:
+        plain = time_per_token(w, np.zeros((1, width), dtype=int))
+        best = min(time_per_token(w, np.full((1, width), k)) for k in range(CAP + 1))
         drafts, vs_plain, vs_best = [], [], []
         for seed in range(args.seeds):
-            ks = run(w, seed)
+            ks = run(CostController(), w, width, steps, seed)
             deepest = ks.max(axis=1)
             drafts.append("/".join(str(int((deepest == d).sum())) for d in range(1, CAP + 1)))
-            vs_plain.append(w.ms_per_token(ks[args.skip :]) / plain)
-            vs_best.append(w.ms_per_token(ks[args.skip :]) / best)
+            vs_plain.append(time_per_token(w, ks[args.skip :]) / plain)
+            vs_best.append(time_per_token(w, ks[args.skip :]) / best)
         print(
-            f"| {w.name} | {w.width} | {', '.join(drafts)} | "
+            f"| {name} | {width} | {', '.join(drafts)} | "
             f"{', '.join(f'{r:.3f}' for r in vs_plain)} | {', '.join(f'{r:.3f}' for r in vs_best)} |"
         )
 

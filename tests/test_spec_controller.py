@@ -3,55 +3,18 @@ where they do not (judged per batch width), and recovers when they start paying 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from controller_sim import CAP, World, run, time_per_token
+
 from engine.cache import SlotId
 from engine.spec.controller import CostController, Offer
-
-CAP = 4
-
-
-@dataclass
-class World:
-    """Step ms = base + per_depth x deepest draft + per_token x draft tokens, + per_round
-    when anything drafts; each draft token is accepted with `alpha`."""
-
-    alpha: float
-    base: float = 10.0
-    per_depth: float = 0.5
-    per_token: float = 0.0
-    per_round: float = 0.0
-
-    def step_ms(self, ks: np.ndarray) -> float:
-        deepest = float(ks.max(initial=0))
-        fixed = self.per_round if deepest else 0.0
-        return self.base + fixed + self.per_depth * deepest + self.per_token * float(ks.sum())
-
-
-def run(ctrl: CostController, world: World, width: int, steps: int, seed: int = 0) -> np.ndarray:
-    """Drive the controller for `steps` steps; returns the chosen depths `[steps, width]`."""
-    rng = np.random.default_rng(seed)
-    slots = [SlotId(i) for i in range(width)]
-    chosen = []
-    for _ in range(steps):
-        ks = np.array(ctrl.choose([Offer(s, "mtp", CAP) for s in slots]))
-        for s, k in zip(slots, ks, strict=True):
-            if k:
-                accepted = int(np.cumprod(rng.random(k) < world.alpha).sum())
-                ctrl.observe_round(s, "mtp", int(k), accepted)
-        ctrl.observe_step(width, int(ks.max()), world.step_ms(ks) / 1e3)
-        chosen.append(ks)
-    return np.array(chosen)
-
-
-def time_per_token(world: World, ks: np.ndarray) -> float:
-    """Expected ms per committed token of a run's choices `[steps, width]` in `world`."""
-    a = world.alpha
-    tokens = sum(1 + sum(a**d for d in range(1, int(k) + 1)) for k in ks.ravel())
-    return sum(world.step_ms(row) for row in ks) / tokens
 
 
 def test_drafts_deep_when_drafts_are_cheap_and_accepted() -> None:
