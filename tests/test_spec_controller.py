@@ -26,7 +26,8 @@ def test_backs_off_when_drafts_cost_more_than_they_commit() -> None:
     world = World(alpha=0.1, per_depth=3.0)
     ks = run(CostController(), world, width=2, steps=300)
     assert (ks[-200:] > 0).mean() < 0.15  # only the occasional retry
-    assert time_per_token(world, ks[-200:]) < 1.05 * world.base
+    # per token: a plain step of 2 slots commits 2 (the bound was `base`, twice plain's)
+    assert time_per_token(world, ks[-200:]) < 1.05 * world.base / 2
 
 
 def test_the_same_acceptance_pays_at_width_1_but_not_at_width_8() -> None:
@@ -39,7 +40,9 @@ def test_the_same_acceptance_pays_at_width_1_but_not_at_width_8() -> None:
     assert a[-30:].mean() >= 2
     assert b[-30:].mean() < 0.2
     assert time_per_token(narrow, a[-30:]) < 0.8 * narrow.base
-    assert time_per_token(wide, b[-30:]) <= 1.02 * wide.base
+    # per token, within 8% of plain decode (a plain step of 8 slots commits 8; the bound was
+    # `base`, 8x plain's): the occasional re-try, where drafting 1 every step costs 15% more
+    assert time_per_token(wide, b[-30:]) <= 1.08 * wide.base / 8
 
 
 @pytest.mark.parametrize("per_depth", [2.0, 5.0])  # 5: a draft of 4 triples the step, as on CPU
