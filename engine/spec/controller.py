@@ -149,47 +149,37 @@ class CostController:
 
     def predict(self, width: int, depth: int) -> float | None:
         """Seconds of a step of `width` slots whose deepest draft is `depth` (None: unknown)."""
+        return self._predict(width, depth, self._source(width))
+
+    def _predict(self, width: int, depth: int, source: int) -> float | None:
+        """`predict`, from the drafting costs of width `source` (`_source`)."""
         table = self.seconds.get(width, {})
         if depth in table or 0 not in table:
             return table.get(depth)
-        if len(table) == 1:  # only plain decode here: a nearby width's costs, scaled
-            near = self._neighbour(width)
-            if near is not None:
-                other = self.seconds[near]
-                return table[0] * self._interpolate(other, depth) / other[0]
-        return self._interpolate(table, depth)
+        if source == width:
+            return _interpolate(table, depth)
+        other = self.seconds[source]  # a nearby width's costs, scaled by the plain steps
+        return table[0] * _interpolate(other, depth) / other[0]
 
-    @staticmethod
-    def _interpolate(table: dict[int, float], depth: int) -> float:
-        """A depth's seconds from a width's table that holds plain decode (D = 0)."""
-        if depth in table:
-            return table[depth]
-        below = max(d for d in table if d < depth)
-        above = [d for d in table if d > depth]
-        if above:
-            hi = min(above)
-            w = (depth - below) / (hi - below)
-            return (1 - w) * table[below] + w * table[hi]
-        return table[below]  # past the deepest measured: the price of the deepest (a probe's)
-
-    def _neighbour(self, width: int) -> int | None:
-        """The nearest width within a factor of two that has measured plain decode and some
-        drafting depth (the wider on a tie), or None."""
+    def _source(self, width: int) -> int:
+        """The width whose drafting costs a step of `width` is judged by: its own once it has
+        measured plain decode and a drafting depth (or nothing: then nothing is predicted);
+        with plain decode only, the nearest width within a factor of two that has both (the
+        wider on a tie), else its own (drafting then looks free)."""
+        if len(self.seconds.get(width, {})) != 1 or 0 not in self.seconds[width]:
+            return width
         near = [
             w
             for w, t in self.seconds.items()
             if w != width and 0 in t and len(t) > 1 and w <= 2 * width and width <= 2 * w
         ]
-        return min(near, key=lambda w: (abs(w - width), -w), default=None)
+        return min(near, key=lambda w: (abs(w - width), -w), default=width)
 
-    def _reach(self, width: int) -> int:
-        """The deepest draft a step of `width` may try: one past the deepest it has measured
-        (its own, else its neighbour's; a doubted depth is a guess, not a measurement)."""
-        at = width
-        if len(self.seconds.get(width, {})) == 1:
-            near = self._neighbour(width)
-            at = near if near is not None else width
-        known = [d for d in self.seconds.get(at, {}) if (at, d) not in self._doubted]
+    def _reach(self, width: int, source: int) -> int:
+        """The deepest draft a step of `width` may try: one past the deepest the width whose
+        costs it goes by (`_source`) has measured (a doubted depth is a guess, not a
+        measurement)."""
+        known = [d for d in self.seconds.get(source, {}) if (source, d) not in self._doubted]
         return max(known, default=0) + 1
 
     def _doubt_stale(self, width: int) -> None:
@@ -243,12 +233,13 @@ class CostController:
         width = len(offers)
         joining = [i for i in auto if self.rate(offers[i].slot, offers[i].drafter) >= self.min_rate]
         best, best_rate = ks, -1.0
-        deepest = max(max(ks), min(max(offers[i].cap for i in auto), self._reach(width)))
+        source = self._source(width)
+        deepest = max(max(ks), min(max(offers[i].cap for i in auto), self._reach(width, source)))
         for depth in range(max(ks), deepest + 1):
             trial = list(ks)
             for i in joining if depth else []:
                 trial[i] = min(depth, offers[i].cap)
-            seconds = self.predict(width, max(trial))
+            seconds = self._predict(width, max(trial), source)
             assert seconds is not None  # plain decode is measured, so every depth predicts
             tokens = sum(
                 self.expected_tokens(o.slot, o.drafter, k)
@@ -265,7 +256,7 @@ class CostController:
         if (width, depth) in self._doubted:  # an estimate, not a measurement: replaced
             del self._doubted[width, depth]
             # doubted in vain (dearer than the halved guess): doubted half as often from now on
-            dear = old is not None and seconds > old
+            dear = seconds > table[depth]
             wait = 2 * self._wait(width, depth) if dear else self.remeasure_every
             self._waits[width, depth] = min(wait, 16 * self.remeasure_every)
             old = None
@@ -287,3 +278,18 @@ class CostController:
         """The slot's request ended: its acceptance history does not carry over."""
         for key in [k for k in self._rates if k[0] == slot]:
             del self._rates[key]
+
+
+def _interpolate(table: dict[int, float], depth: int) -> float:
+    """A depth's seconds from a width's table that holds plain decode (D = 0): between two
+    measured depths on the line through them; past the deepest, the deepest's price (what a
+    probe one depth deeper is taken at)."""
+    if depth in table:
+        return table[depth]
+    below = max(d for d in table if d < depth)
+    above = [d for d in table if d > depth]
+    if not above:
+        return table[below]
+    hi = min(above)
+    w = (depth - below) / (hi - below)
+    return (1 - w) * table[below] + w * table[hi]
