@@ -4,7 +4,8 @@ its choices cost per token against plain decode and against the best fixed depth
 Each world gives a step's time from its drafts (a fixed cost per drafting round, one per depth
 of the deepest) and accepts each draft token with a fixed chance, drawn at random; the controller
 (`engine.spec.controller.CostController`) sees only those times and acceptances, as the
-speculator feeds it. No model runs: this measures the controller's policy, not the engine.
+speculator feeds it. No model runs: this measures the controller's policy, not the engine —
+and, first, the host time one `choose` takes (it runs once a step while anything may draft).
 Run it from another tree (`cd OTHER && python /path/to/bench/controller_sim.py`) to compare
 versions; it imports the controller of the tree it is run from.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import timeit
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,11 +82,30 @@ SCENARIOS = [  # (name, world, width, steps)
 ]
 
 
+def choose_us(width: int) -> float:
+    """Microseconds of one `choose` for `width` "auto" slots, the per-step host cost of the
+    controller: every narrower width has measured plain decode and a draft of 1, this one
+    plain decode only (it borrows a neighbour's costs)."""
+    ctrl = CostController()
+    for w in range(1, width):
+        ctrl.observe_step(w, 0, 0.010)
+        ctrl.observe_step(w, 1, 0.030)
+    ctrl.observe_step(width, 0, 0.010)
+    offers = [Offer(SlotId(i), "mtp", CAP) for i in range(width)]
+    number = max(10, 2000 // width)
+    return 1e6 * min(timeit.repeat(lambda: ctrl.choose(offers), number=number, repeat=5)) / number
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--skip", type=int, default=100, help="first steps left out of the ratios")
+    p.add_argument("--choose-widths", default="8,64,1024", help="widths `choose` is timed at")
     args = p.parse_args()
+    print("| width | choose, us (best of 5) |\n|---|---|")
+    for width in map(int, args.choose_widths.split(",")):
+        print(f"| {width} | {choose_us(width):.0f} |")
+    print()
     print("| world | width | steps that draft (by depth 1-4) | ms/token vs plain | vs best depth |")
     print("|---|---|---|---|---|")
     for name, w, width, steps in SCENARIOS:

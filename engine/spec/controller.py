@@ -65,6 +65,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.cache import SlotId
 
 MODES = ("off", "on", "auto")
@@ -229,25 +231,30 @@ class CostController:
         return ks
 
     def _deepen(self, offers: Sequence[Offer], ks: list[int], auto: list[int]) -> list[int]:
-        """The depths with the most expected tokens per predicted second."""
+        """The depths with the most expected tokens per predicted second. Per step: O(slots)
+        to read the rates and tabulate each slot's tokens at every depth, then a vector sum a
+        depth (Python per slot and depth cost ~4 ms a step at 1,024 slots)."""
         width = len(offers)
-        joining = [i for i in auto if self.rate(offers[i].slot, offers[i].drafter) >= self.min_rate]
-        best, best_rate = ks, -1.0
+        rates = np.array([self.rate(o.slot, o.drafter) for o in offers])
+        caps = np.array([o.cap for o in offers])
+        joining = np.array([i for i in auto if rates[i] >= self.min_rate], dtype=np.int64)
         source = self._source(width)
-        deepest = max(max(ks), min(max(offers[i].cap for i in auto), self._reach(width, source)))
+        deepest = max(max(ks), min(int(caps[auto].max()), self._reach(width, source)))
+        # committed[i, k]: slot i's expected tokens with k drafts, 1 + a + ... + a^k
+        powers = rates[:, None] ** np.arange(deepest + 1)
+        committed = np.cumsum(powers, axis=1)
+        rows = np.arange(width)
+        best, best_rate = np.array(ks), -1.0
         for depth in range(max(ks), deepest + 1):
-            trial = list(ks)
-            for i in joining if depth else []:
-                trial[i] = min(depth, offers[i].cap)
-            seconds = self._predict(width, max(trial), source)
+            trial = np.array(ks)
+            if depth:
+                trial[joining] = np.minimum(depth, caps[joining])
+            seconds = self._predict(width, int(trial.max()), source)
             assert seconds is not None  # plain decode is measured, so every depth predicts
-            tokens = sum(
-                self.expected_tokens(o.slot, o.drafter, k)
-                for o, k in zip(offers, trial, strict=True)
-            )
-            if tokens / max(seconds, 1e-9) > best_rate * (1 + 1e-9):
-                best, best_rate = trial, tokens / max(seconds, 1e-9)
-        return best
+            rate = float(committed[rows, trial].sum()) / max(seconds, 1e-9)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = trial, rate
+        return [int(k) for k in best]
 
     def observe_step(self, width: int, depth: int, seconds: float) -> None:
         """A step of `width` decoding slots whose deepest draft was `depth` took `seconds`."""
