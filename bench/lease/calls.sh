@@ -12,10 +12,11 @@
 # Next lease (~1,100 s; move models/slotserve-demo.gguf out of the tree for c1, put it back
 # after c1: .gpu_b and the tree with it fit, README): c1; c2 with
 # LEASE_MODELS="qwen3.5-0.8b:f16" (~60 s); c9 with NS="1 8" GEN=128 (~300 s, longer runs than
-# session 15's 64 tokens: whether the controller of session 15, `d3509f2`, keeps MTP auto at N
-# = 1 at or above its 1.22x and lifts N = 8 from 0.51x); p2 with P2_TESTS=0 for llama.cpp's
-# build alone (its tests passed in session 15); p3 with REPS=2 (the host's two modes: one
-# sample a cell read N = 8 at 2,496 where sweeps of the same lease read 2,734-3,065).
+# session 15's 64 tokens: whether the controller of session 15 (`d3509f2`; vectorized, same
+# choices, in `34c2b5a`) keeps MTP auto at N = 1 at or above its 1.22x and lifts N = 8 from
+# 0.51x); p2 with P2_TESTS=0 for llama.cpp's build alone (its tests passed in session 15); p3
+# with REPS=2 (the host's two modes: one sample a cell read N = 8 at 2,496 where sweeps of the
+# same lease read 2,734-3,065).
 set -u
 M=/tmp/models
 L=/tmp/llama/llama.cpp/build/bin/llama-batched-bench
