@@ -144,11 +144,6 @@ class CostController:
             self._rates[key] = pooled.scaled(self.prior_weight) if pooled else _Rate()
         return self._rates[key]
 
-    def expected_tokens(self, slot: SlotId, drafter: str, k: int) -> float:
-        """Tokens a step with k drafts is expected to commit for the slot (1 + a + ... + a^k)."""
-        a = self.rate(slot, drafter)
-        return 1.0 + sum(a**d for d in range(1, k + 1))
-
     def predict(self, width: int, depth: int) -> float | None:
         """Seconds of a step of `width` slots whose deepest draft is `depth` (None: unknown)."""
         return self._predict(width, depth, self._source(width))
