@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +31,42 @@ import harness
 import mlx.core as mx
 from spec_decode import held_out_prompts, speculator, synthetic_prompts
 
+import engine.runner
 from engine.models.qwen35 import load_model
 from engine.spec.offline import Request, generate
 
 CONFIGS = [("plain", "off"), ("ngram", "on"), ("ngram", "auto"), ("mtp", "on"), ("mtp", "auto")]
-PHASES = ("plan", "catch-up", "chain", "step", "resolve", "rollback")
+PHASES = ("plan", "catch-up", "chain", "chain wait", "step", "resolve", "rollback")
+
+
+class _EvalTimed:
+    """BENCHMARK ONLY: `mlx.core` as `engine.runner` sees it, its `eval` timed into
+    `spent[label]` while `on` (set by `_waits_timed` for the length of a call)."""
+
+    def __init__(self, spent: dict[str, float], label: str) -> None:
+        self.spent, self.label, self.on = spent, label, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(mx, name)
+
+    def eval(self, *arrays: Any) -> None:
+        t = time.perf_counter()
+        mx.eval(*arrays)
+        if self.on:
+            self.spent[self.label] = self.spent.get(self.label, 0.0) + time.perf_counter() - t
+
+
+def _waits_timed(proxy: _EvalTimed, f: Any) -> Any:
+    """`f`, with `proxy` timing the evaluations made inside each call."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        proxy.on = True
+        try:
+            return f(*args, **kwargs)
+        finally:
+            proxy.on = False
+
+    return timed
 
 
 def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: Any) -> dict:
@@ -58,10 +90,18 @@ def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: 
     harness.time_calls(runner, "draft", spent, "catch-up")
     harness.time_calls(runner, "draft_chain", spent, "chain")
     harness.time_calls(runner, "step", spent, "step", decode_step)
+    # inside the chain: its wait for the device (the catch-up's work and the chain's own),
+    # the rest being the host's building of both
+    proxy = _EvalTimed(spent, "chain wait")
+    engine.runner.mx = proxy  # type: ignore[assignment]
+    runner.draft_chain = _waits_timed(proxy, runner.draft_chain)  # type: ignore[method-assign]
     harness.time_calls(spec, "resolve", spent, "resolve")
     harness.time_calls(pool, "rollback_many", spent, "rollback")
     cold = runner.cold_steps
-    run = generate(spec, requests)
+    try:
+        run = generate(spec, requests)
+    finally:
+        engine.runner.mx = mx  # type: ignore[assignment]
     steps = max(run.steps, 1)
     return {
         "drafter": drafter,
