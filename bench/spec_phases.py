@@ -33,6 +33,7 @@ from spec_decode import held_out_prompts, speculator, synthetic_prompts
 
 import engine.runner
 from engine.models.qwen35 import load_model
+from engine.spec.controller import CostController
 from engine.spec.offline import Request, generate
 
 CONFIGS = [("plain", "off"), ("ngram", "on"), ("ngram", "auto"), ("mtp", "on"), ("mtp", "auto")]
@@ -69,6 +70,24 @@ def _waits_timed(proxy: _EvalTimed, f: Any) -> Any:
     return timed
 
 
+def _trace(ctrl: CostController, log: list[list[object]]) -> None:
+    """BENCHMARK ONLY: log the controller's choices (`["choose", width, deepest depth, the
+    widest cap]`) and the step times it is fed (`["step", width, depth, ms]`) in order."""
+    choose, observe = ctrl.choose, ctrl.observe_step
+
+    def chosen(offers: Any) -> list[int]:
+        ks = choose(offers)
+        log.append(["choose", len(offers), max(ks), max(o.cap for o in offers)])
+        return ks
+
+    def observed(width: int, depth: int, seconds: float) -> None:
+        log.append(["step", width, depth, round(1000 * seconds, 3)])
+        observe(width, depth, seconds)
+
+    ctrl.choose = chosen  # type: ignore[method-assign]
+    ctrl.observe_step = observed  # type: ignore[method-assign]
+
+
 def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: Any) -> dict:
     """ms per decode step by phase for one configuration (`args.warmup` runs, then one timed)."""
     K = args.k
@@ -97,6 +116,9 @@ def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: 
     runner.draft_chain = _waits_timed(proxy, runner.draft_chain)  # type: ignore[method-assign]
     harness.time_calls(spec, "resolve", spent, "resolve")
     harness.time_calls(pool, "rollback_many", spent, "rollback")
+    trace: list[list[object]] = []
+    if args.trace:
+        _trace(spec.controller, trace)
     cold = runner.cold_steps
     try:
         run = generate(spec, requests)
@@ -110,6 +132,11 @@ def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: 
         "decode_ms": 1000 * run.decode_s,
         "new_shapes": runner.cold_steps - cold,
         "ms_per_step": {k: 1000 * spent.get(k, 0.0) / steps for k in PHASES},
+        "controller": {
+            str(w): {str(d): 1000 * s for d, s in t.items()}
+            for w, t in spec.controller.seconds.items()
+        },
+        "trace": trace,
     }
 
 
@@ -135,6 +162,9 @@ def main() -> None:
     )
     p.add_argument("--configs", default=",".join(f"{d}:{m}" for d, m in CONFIGS))
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--trace", action="store_true", help="the controller's choices and samples, into --json"
+    )
     args = p.parse_args()
     model = load_model(args.model)
     if args.ids is not None:
