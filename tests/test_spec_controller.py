@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from controller_sim import CAP, World, run, time_per_token
+from controller_sim import CAP, Stalling, World, run, time_per_token
 
 from engine.cache import SlotId
 from engine.spec.controller import CostController, Offer
@@ -76,6 +76,9 @@ def test_a_new_width_measures_plain_decode_first() -> None:
     ctrl = CostController()
     assert ctrl.choose([Offer(SlotId(0), "mtp", CAP)]) == [0]
     ctrl.observe_step(1, 0, 0.01)
+    # the very first step, with nothing to judge it by (a stall?), is followed by another
+    assert ctrl.choose([Offer(SlotId(0), "mtp", CAP)]) == [0]
+    ctrl.observe_step(1, 0, 0.01)
     # untried: taken to cost nothing, but probed at its cheapest depth first
     assert ctrl.choose([Offer(SlotId(0), "mtp", CAP)]) == [1]
 
@@ -107,6 +110,7 @@ def test_one_slow_sample_does_not_bar_a_depth_for_good() -> None:
     steps from the controller; what is left is noise)."""
     ctrl = CostController()
     slot = SlotId(0)
+    ctrl.observe_step(1, 0, 0.016)
     ctrl.observe_step(1, 0, 0.016)
     assert ctrl.choose([Offer(slot, "mtp", 1)]) == [1]
     ctrl.observe_round(slot, "mtp", 1, 0)  # rejected, and 4x a plain step
@@ -187,3 +191,59 @@ def test_re_measuring_a_doubted_depth_does_not_set_off_the_doubt_of_the_next() -
         ctrl.observe_step(8, 1, 0.050)
     ctrl.choose(offers)
     assert ctrl.seconds[8][2] == pytest.approx(0.050)
+
+
+def test_a_stall_is_left_out_unless_it_repeats() -> None:
+    """A step 30x what its depth was expected to cost (a kernel the device builds at first
+    use, on the H200: drafts of 65 ms where they took 4) says nothing of the depth; the
+    same at the depth's next sample is what it costs."""
+    ctrl = CostController()
+    offers = [Offer(SlotId(i), "mtp", CAP) for i in range(8)]
+    ctrl.observe_step(8, 0, 0.002)
+    ctrl.observe_step(8, 0, 0.002)
+    assert max(ctrl.choose(offers)) == 1  # a first probe, priced as plain decode
+    ctrl.observe_step(8, 1, 0.065)
+    assert ctrl.stalls == 1 and 1 not in ctrl.seconds[8]
+    assert max(ctrl.choose(offers)) == 1  # so it is tried again
+    ctrl.observe_step(8, 1, 0.004)
+    assert ctrl.seconds[8][1] == 0.004
+    ctrl.observe_step(8, 2, 0.300)
+    ctrl.observe_step(8, 2, 0.300)  # twice in a row: the depth costs that
+    assert ctrl.stalls == 2 and ctrl.seconds[8][2] == 0.300
+
+
+def test_a_widths_first_plain_step_is_judged_by_its_neighbours() -> None:
+    """A batch that lost three slots (8 -> 5) and whose first plain step stalled (3.9 s on
+    the H200, where 2 ms was steady) must not take plain decode to cost that — drafting
+    would look free beside it; and an entry a stall made gives way to the next sample."""
+    ctrl = CostController()
+    ctrl.observe_step(8, 0, 0.002)
+    ctrl.observe_step(5, 0, 3.9)
+    assert 5 not in ctrl.seconds
+    ctrl.observe_step(5, 0, 0.0021)
+    assert ctrl.seconds[5][0] == 0.0021
+    ctrl = CostController()
+    ctrl.observe_step(1, 0, 3.9)  # nothing to judge the very first step by: taken
+    ctrl.observe_step(1, 0, 0.002)  # under a quarter of it: the entry was a stall
+    assert ctrl.seconds[1][0] == 0.002
+
+
+@pytest.mark.parametrize("at", [1, CAP])
+def test_one_stall_while_warming_up_does_not_steer_the_run(at: int) -> None:
+    """N-gram drafting at N = 8 on the H200, where a draft of 4 pays: a 2 s step at depth 4
+    while warming up kept it at depths 1-3 (a stalled draft of 1 bars drafting as badly);
+    the run must end at depth 4 as it does without the stall."""
+    world = Stalling(alpha=0.7, base=10.0, per_depth=0.7, per_round=10.0, at=at)
+    ks = run(CostController(), world, width=8, steps=400)
+    assert world.stalled
+    assert (ks[-200:] == CAP).mean() >= 0.9
+
+
+def test_a_stalled_first_step_does_not_make_drafting_look_free() -> None:
+    """The very first step stalls (nothing to judge it by: taken) where drafting does not
+    pay: the next plain step must replace it, not be averaged in over many re-measures
+    while the controller drafts at a loss."""
+    world = Stalling(alpha=0.6, base=10.0, per_depth=40.0, at=0)
+    ks = run(CostController(), world, width=8, steps=400)
+    assert world.stalled
+    assert (ks[-300:] > 0).mean() < 0.05

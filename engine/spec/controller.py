@@ -51,6 +51,17 @@ acceptance rate alone.
   process on the device; the speculator already leaves out a drafter's catch-up
   and a step that compiled a new batch shape — so does not bar a depth for good,
   while a dear depth is re-tried ever more rarely, and at its cheapest.
+* Stalls: a sample over `stall` (8) times what was expected — the entry, the
+  guess the depth was chosen by, or for a width's first plain step the nearest
+  width's — is left out, unless the same width and depth stalls again at its
+  next sample (then it is what the depth costs); a sample under a quarter of its
+  entry replaces it. The very first plain step, with nothing to judge it by, is
+  followed by another. On the H200 the warm-up steps after start fed the table
+  plain steps of 3.9 s and drafts of 65 ms and 2.1 s where steady ones took
+  2-6 ms (shapes precompiled and no forward cold: kernels the device built at
+  first use, say); taken as they came, one barred MTP at N = 8 for good, another
+  n-gram drafts of 4, and a plain step's made drafting look free until many
+  re-measures had averaged it down.
   (Forgetting a stale depth instead, as before session 15, made every re-try a
   full-depth probe: "auto" at N = 8 on the demo model ran at 0.51x plain decode on
   the H200, and its trace on a CPU showed such probes after every forgetting and
@@ -113,7 +124,8 @@ class CostController:
     """Chooses per-slot draft depths from measured step times (see the module docstring).
 
     `smoothing`: weight of a new time sample; `decay`: per-round decay of acceptance counts
-    (0.9 remembers about ten rounds: enough to ride out a few unlucky rejections).
+    (0.9 remembers about ten rounds: enough to ride out a few unlucky rejections); `stall`:
+    how many times what was expected a step may take before it is taken for a stall.
     """
 
     smoothing: float = 0.2
@@ -122,6 +134,7 @@ class CostController:
     prior_weight: float = 8.0
     idle_decay: float = 0.98
     remeasure_every: int = 64
+    stall: float = 8.0  # a sample this many times what was expected is a stall, unless repeated
     seconds: dict[int, dict[int, float]] = field(default_factory=dict)  # width -> depth -> s
     _rates: dict[tuple[SlotId, str], _Rate] = field(default_factory=dict)
     _pooled: dict[str, _Rate] = field(default_factory=dict)  # per drafter, all slots
@@ -132,6 +145,9 @@ class CostController:
     # (width, depth) -> the width's step count when it was halved, of depths not run since
     _doubted: dict[tuple[int, int], int] = field(default_factory=dict)
     _waits: dict[tuple[int, int], int] = field(default_factory=dict)  # (width, depth) -> steps
+    stalls: int = 0  # samples left out as stalls
+    _stalled: set[tuple[int, int]] = field(default_factory=set)  # (width, depth): last a stall
+    _unjudged: set[int] = field(default_factory=set)  # widths whose plain step stands alone
 
     def rate(self, slot: SlotId, drafter: str) -> float:
         """Estimated chance that the slot's next draft token from `drafter` is accepted."""
@@ -217,7 +233,8 @@ class CostController:
         self._doubt_stale(width)
         ks = [o.cap if o.mode == "on" else 0 for o in offers]
         auto = [i for i, o in enumerate(offers) if o.mode == "auto" and o.cap > 0]
-        stale = self._age(width, 0) >= self.remeasure_every and not any(ks)
+        stale = self._age(width, 0) >= self.remeasure_every or width in self._unjudged
+        stale = stale and not any(ks)
         if auto and 0 in self.seconds.get(width, {}) and not stale:
             ks = self._deepen(offers, ks, auto)
         for i in auto:
@@ -253,8 +270,21 @@ class CostController:
 
     def observe_step(self, width: int, depth: int, seconds: float) -> None:
         """A step of `width` decoding slots whose deepest draft was `depth` took `seconds`."""
+        expected = self._expected(width, depth)
+        stalled = expected is not None and seconds > self.stall * expected
+        if stalled and (width, depth) not in self._stalled:  # a stall, not what it costs
+            self._stalled.add((width, depth))
+            self.stalls += 1
+            return
+        self._stalled.discard((width, depth))  # (twice in a row: what it costs)
+        if expected is None and not depth:  # nothing to judge it by: plain runs again next
+            self._unjudged.add(width)
+        elif not depth:
+            self._unjudged.discard(width)
         table = self.seconds.setdefault(width, {})
         old = table.get(depth)
+        if old is not None and seconds < old / 4:  # the entry was a stall (or a guess): gone
+            old = None
         if (width, depth) in self._doubted:  # an estimate, not a measurement: replaced
             del self._doubted[width, depth]
             # doubted in vain (dearer than the halved guess): doubted half as often from now on
@@ -270,6 +300,19 @@ class CostController:
         if (width, depth) in self._measured_at:
             self._measured_before[width, depth] = self._measured_at[width, depth]
         self._measured_at[width, depth] = self._steps[width]
+
+    def _expected(self, width: int, depth: int) -> float | None:
+        """What a step of `width` at `depth` should take, by what is known before it ran: its
+        entry, or the guess it was chosen by (`predict`); for a width's first plain step,
+        the nearest width's plain step (scaled up by the widths' ratio, when wider)."""
+        guess = self.predict(width, depth)
+        if guess is not None or depth:
+            return guess
+        plain = [w for w, t in self.seconds.items() if 0 in t]
+        if not plain:
+            return None
+        near = min(plain, key=lambda w: (abs(w - width), -w))
+        return self.seconds[near][0] * max(1.0, width / near)
 
     def observe_round(self, slot: SlotId, drafter: str, drafted: int, accepted: int) -> None:
         """A verify round of the slot accepted `accepted` of `drafted` tokens from `drafter`."""
