@@ -16,11 +16,6 @@ shape met once is compiled inside the timed run — session 9's MTP plan of 249-
 on the H200 was mostly that). `--uniform` forces uniform rows (the default of a compiled
 runner on a GPU) on any device.
 
-Since session 16 the host does not wait for the MTP chain's drafts before the verify step
-is queued behind it (`DeviceTokens`): the chain's device time lands in "step". A config's
-third field `read` (`mtp:on:read`) reads them as soon as the chain is queued, as before:
-that wait is "chain wait" (inside "chain").
-
     python bench/spec_phases.py --model models/slotserve-demo.gguf [--ids IDS] --n 8 --compile
 """
 
@@ -36,12 +31,43 @@ import harness
 import mlx.core as mx
 from spec_decode import held_out_prompts, speculator, synthetic_prompts
 
+import engine.runner
 from engine.models.qwen35 import load_model
 from engine.spec.controller import CostController
 from engine.spec.offline import Request, generate
 
 CONFIGS = [("plain", "off"), ("ngram", "on"), ("ngram", "auto"), ("mtp", "on"), ("mtp", "auto")]
 PHASES = ("plan", "catch-up", "chain", "chain wait", "step", "resolve", "rollback")
+
+
+class _EvalTimed:
+    """BENCHMARK ONLY: `mlx.core` as `engine.runner` sees it, its `eval` timed into
+    `spent[label]` while `on` (set by `_waits_timed` for the length of a call)."""
+
+    def __init__(self, spent: dict[str, float], label: str) -> None:
+        self.spent, self.label, self.on = spent, label, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(mx, name)
+
+    def eval(self, *arrays: Any) -> None:
+        t = time.perf_counter()
+        mx.eval(*arrays)
+        if self.on:
+            self.spent[self.label] = self.spent.get(self.label, 0.0) + time.perf_counter() - t
+
+
+def _waits_timed(proxy: _EvalTimed, f: Any) -> Any:
+    """`f`, with `proxy` timing the evaluations made inside each call."""
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        proxy.on = True
+        try:
+            return f(*args, **kwargs)
+        finally:
+            proxy.on = False
+
+    return timed
 
 
 def _trace(ctrl: CostController, log: list[list[object]]) -> None:
@@ -62,40 +88,17 @@ def _trace(ctrl: CostController, log: list[list[object]]) -> None:
     ctrl.observe_step = observed  # type: ignore[method-assign]
 
 
-def _read_at_once(runner: Any, spent: dict[str, float]) -> None:
-    """BENCHMARK ONLY: the host reads each MTP chain's drafts as soon as the chain is built
-    (waiting for the device: "chain wait"), as before session 16, rather than once the
-    verify step is queued behind it: the same tokens, the wait where it was."""
-    chain = runner.draft_chain
-
-    def read(*args: Any, **kwargs: Any) -> Any:
-        out = chain(*args, **kwargs)
-        t = time.perf_counter()
-        for tokens, _ in out:
-            tokens.values()
-        spent["chain wait"] = spent.get("chain wait", 0.0) + time.perf_counter() - t
-        return out
-
-    runner.draft_chain = read
-
-
-def phases(
-    model: Any, prompts: list[list[int]], drafter: str, mode: str, args: Any, read: bool = False
-) -> dict:
-    """ms per decode step by phase for one configuration (`args.warmup` runs, then one timed);
-    `read`: `_read_at_once`."""
+def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: Any) -> dict:
+    """ms per decode step by phase for one configuration (`args.warmup` runs, then one timed)."""
     K = args.k
     spec = speculator(model, drafter, prompts, args, None)  # (spec_decode's engine)
     runner, pool = spec.runner, spec.runner.pool
     if args.uniform:  # a GPU's default row shapes, on any device
         spec.use_uniform_shapes(True)
     requests = [Request(p, args.gen, speculation=mode) for p in prompts]
-    spent: dict[str, float] = {}
-    if read:  # (wrapped first: "chain" below includes its wait)
-        _read_at_once(runner, spent)
     for _ in range(args.warmup):  # kernel builds, compiled shapes, the controller
         generate(spec, requests)
-    spent.clear()
+    spent: dict[str, float] = {}
 
     def decode_step(batch: Any) -> bool:  # rows of at most K + 1 tokens: not a prefill
         return max(len(r.tokens) for r in batch) <= K + 1
@@ -106,13 +109,21 @@ def phases(
     harness.time_calls(runner, "draft", spent, "catch-up")
     harness.time_calls(runner, "draft_chain", spent, "chain")
     harness.time_calls(runner, "step", spent, "step", decode_step)
+    # inside the chain: its wait for the device (the catch-up's work and the chain's own),
+    # the rest being the host's building of both
+    proxy = _EvalTimed(spent, "chain wait")
+    engine.runner.mx = proxy  # type: ignore[assignment]
+    runner.draft_chain = _waits_timed(proxy, runner.draft_chain)  # type: ignore[method-assign]
     harness.time_calls(spec, "resolve", spent, "resolve")
     harness.time_calls(pool, "rollback_many", spent, "rollback")
     trace: list[list[object]] = []
     if args.trace:
         _trace(spec.controller, trace)
     cold = runner.cold_steps
-    run = generate(spec, requests)
+    try:
+        run = generate(spec, requests)
+    finally:
+        engine.runner.mx = mx  # type: ignore[assignment]
     steps = max(run.steps, 1)
     return {
         "drafter": drafter,
@@ -149,11 +160,7 @@ def main() -> None:
         action="store_true",
         help="with --compile: every steady shape compiled first (the daemon's precompile = all)",
     )
-    p.add_argument(
-        "--configs",
-        default=",".join(f"{d}:{m}" for d, m in CONFIGS),
-        help="drafter:mode[:read] (read: the MTP chain's drafts read at once, `_read_at_once`)",
-    )
+    p.add_argument("--configs", default=",".join(f"{d}:{m}" for d, m in CONFIGS))
     p.add_argument("--json", type=Path)
     p.add_argument(
         "--trace", action="store_true", help="the controller's choices and samples, into --json"
@@ -175,13 +182,11 @@ def main() -> None:
     )
     print("|---|---|---|---|---|" + "---|" * len(PHASES))
     for config in args.configs.split(","):
-        drafter, mode, *read = config.split(":")
-        r = phases(model, prompts, drafter, mode, args, read == ["read"])
-        r["read"] = read == ["read"]
+        drafter, mode = config.split(":")
+        r = phases(model, prompts, drafter, mode, args)
         rows.append(r)
         cells = " | ".join(f"{r['ms_per_step'][k]:.2f}" for k in PHASES)
-        label = mode + (", read at once" if read else "")
-        head = f"| {drafter} | {label} | {r['steps']} | {r['new_shapes']} | {r['decode_ms']:.1f}"
+        head = f"| {drafter} | {mode} | {r['steps']} | {r['new_shapes']} | {r['decode_ms']:.1f}"
         print(f"{head} | {cells} |", flush=True)
     if args.json:
         args.json.write_text(

@@ -32,72 +32,6 @@ class BatchError(ValueError):
     """A malformed batch; nothing was run and the pool is unchanged."""
 
 
-class Drawn:
-    """Tokens drawn on the device, `[rows, depth]` int32, lazy: the host reads them (waiting
-    for the device) once, when something first asks for a value."""
-
-    def __init__(self, array: mx.array) -> None:
-        self.array = array
-        self._host: np.ndarray | None = None
-
-    @property
-    def read(self) -> bool:
-        return self._host is not None
-
-    def host(self) -> np.ndarray:
-        if self._host is None:
-            self._host = np.array(self.array)
-        return self._host
-
-
-class DeviceTokens(Sequence[int]):
-    """A row's tokens, some still on the device: `head` (host ints), then `drawn[row, c]`
-    for each c of `cols` — an MTP draft drawn by the head's chain, or a verify row
-    `[pending, *draft, filler]`. Its length is known at once; a value, at the first read
-    (one wait for the device, shared by every row of the same `Drawn`). `ModelRunner.step`
-    feeds an unread row to the model as device tokens, so a verify step is queued behind
-    the draft chain without the host waiting for it in between."""
-
-    __slots__ = ("_values", "cols", "drawn", "head", "row")
-
-    def __init__(self, head: Sequence[int], drawn: Drawn, row: int, cols: Sequence[int]) -> None:
-        self.head, self.drawn, self.row, self.cols = tuple(head), drawn, row, tuple(cols)
-        self._values: list[int] | None = None
-
-    def after(self, head: Sequence[int], fill: int = 0) -> DeviceTokens:
-        """`[*head, *self]`, its last drawn token repeated `fill` more times (a verify row:
-        the pending token, the draft, filler)."""
-        if not self.cols:
-            raise ValueError("no drawn token to follow")
-        cols = self.cols + self.cols[-1:] * fill
-        return DeviceTokens([*head, *self.head], self.drawn, self.row, cols)
-
-    @property
-    def unread(self) -> bool:
-        return bool(self.cols) and not self.drawn.read
-
-    def values(self) -> list[int]:
-        if self._values is None:
-            row = self.drawn.host()[self.row] if self.cols else ()
-            self._values = [*map(int, self.head), *(int(row[c]) for c in self.cols)]
-        return self._values
-
-    def __len__(self) -> int:
-        return len(self.head) + len(self.cols)
-
-    def __getitem__(self, i: Any) -> Any:
-        return self.values()[i]
-
-    def __iter__(self) -> Any:
-        return iter(self.values())
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and self.values() == list(other)
-
-    def __repr__(self) -> str:
-        return f"DeviceTokens({self.values() if not self.unread else '<unread>'})"
-
-
 class Row(NamedTuple):
     """One slot's tokens for this step, starting at the slot's current length.
 
@@ -298,6 +232,7 @@ class ModelRunner:
         decode = max(lengths) == 1  # a token a row: its positions are its rows' starts
         offsets = itertools.accumulate(lengths, initial=0)
         picked = [o + i for o, r in zip(offsets, batch, strict=False) for i in r.wanted]
+        tokens = [int(t) for r in batch for t in r.tokens]
         real = (len(batch), sum(lengths), len(picked))  # rows, tokens, outputs
         pads: list[SlotId] = []
         if self.pad_widths and self.recurs(min(lengths), max(lengths)) and len(set(capture)) == 1:
@@ -305,6 +240,7 @@ class ModelRunner:
         if pads:  # rows like the first on other slots: read, never written, outputs dropped
             first = batch[0]
             picked += [real[1] + j * lengths[0] + i for j in range(len(pads)) for i in first.wanted]
+            tokens += [int(t) for t in first.tokens] * len(pads)
         extra = len(pads)
         all_starts = starts + starts[:1] * extra
         row_starts = self.inputs.starts(slots + pads, all_starts) if decode else None
@@ -319,7 +255,7 @@ class ModelRunner:
             tok_pos = layout.row_starts[: len(slots)] if pads else layout.row_starts
         else:
             tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, lengths)
-        inputs = [_fed(batch, extra), self.inputs.kept(picked)]
+        inputs = [mx.array(tokens, dtype=mx.int32), self.inputs.kept(picked)]
         fn = self._forward_fn(shape_key(layout, len(picked), past, taps), layout, taps)
         # The pool is read and written outside the compiled graph: eager scatters update
         # it in place, while a compiled graph would copy every state array each step.
@@ -831,13 +767,12 @@ class ModelRunner:
 
     def draft_chain(
         self, rows: Sequence[ChainRow], shaping: Shaping, depth: int | None = None
-    ) -> list[tuple[DeviceTokens, mx.array | None]]:
-        """Every row's MTP draft chain in one graph, queued (not waited for); `shaping` (one
-        row per chain) makes each depth's distribution q. The head's K/V of the deeper
-        forwards is written to the pool at `start ..` (provisional entries, as `draft`
-        writes them). Per row: (its `depth` tokens, read when first asked — `DeviceTokens`
-        —, q `[depth, V]`, or None when every row is greedy: each token its argmax, a point
-        mass). `depth`: how deep the graph draws
+    ) -> list[tuple[list[int], mx.array | None]]:
+        """Every row's MTP draft chain in one graph, evaluated once; `shaping` (one row per
+        chain) makes each depth's distribution q. The head's K/V of the deeper forwards is
+        written to the pool at `start ..` (provisional entries, as `draft` writes them).
+        Per row: (its `depth` tokens, q `[depth, V]`, or None when every row is greedy:
+        each token its argmax, a point mass). `depth`: how deep the graph draws
         (default: the deepest row) — a fixed depth keeps one compiled shape whatever the
         rows' depths; what a row draws past its own (a row of depth 0: all) is dropped."""
         self._mtp()
@@ -877,9 +812,7 @@ class ModelRunner:
             *shaping.arrays,
         ]
         tokens, q, ks, vs = fn(inputs, kv)
-        # queued, not waited for: the tokens go to the verify step as device tokens
-        # (`DeviceTokens`), the host reading them only once that step is queued behind
-        mx.async_eval(tokens, q, ks, vs)
+        mx.eval(tokens, q, ks, vs)  # before the pool changes, as in `step`
         deep = [b for b, r in enumerate(rows) if r.depth > 1]
         if deep:
             k = mx.concatenate(ks[: deepest - 1], axis=1)
@@ -893,10 +826,10 @@ class ModelRunner:
             self._write_mtp(
                 [slots[b] for b in deep], [starts[b] for b in deep], lengths, AttentionState(k, v)
             )
-        drawn = Drawn(tokens)
+        drawn = np.array(tokens)
         return [
             (
-                DeviceTokens((), drawn, b, range(r.depth)),
+                [int(t) for t in drawn[b, : r.depth]],
                 None if shaping.greedy_only else q[b, : r.depth],
             )
             for b, r in enumerate(rows)
@@ -916,8 +849,6 @@ class ModelRunner:
         for slot, toks in zip(slots, tokens, strict=True):
             if len(toks) == 0:
                 raise BatchError(f"slot {slot}: empty row")
-            if isinstance(toks, DeviceTokens) and toks.unread:
-                continue  # drawn by the model over its vocabulary (read, it would wait)
             bad = [t for t in toks if not 0 <= t < V]
             if bad:
                 raise BatchError(f"slot {slot}: token ids {bad[:5]} outside the vocabulary of {V}")
@@ -1080,32 +1011,6 @@ def _written(past: AttentionState, new: AttentionState, at: mx.array) -> Attenti
         mx.where(hit, new.k.astype(past.k.dtype), past.k),
         mx.where(hit, new.v.astype(past.v.dtype), past.v),
     )
-
-
-def _fed(batch: Sequence[Row], pads: int) -> mx.array:
-    """The step's tokens packed row after row, the first row's again for each of `pads`
-    padding rows. Rows of `DeviceTokens` not read yet are fed from the device: one gather
-    from their `Drawn` beside the host's tokens, no wait (rows of two `Drawn`s: read)."""
-    rows = [*batch, *[batch[0]] * pads] if pads else batch
-    unread = [r.tokens for r in rows if isinstance(r.tokens, DeviceTokens) and r.tokens.unread]
-    if not unread or len({id(t.drawn) for t in unread}) > 1:
-        return mx.array([int(t) for r in rows for t in r.tokens], dtype=mx.int32)
-    drawn = unread[0].drawn
-    R, D = drawn.array.shape
-    host: list[int] = []
-    index: list[int] = []  # into [*drawn (flattened), *host]
-    for r in rows:
-        t = r.tokens
-        if isinstance(t, DeviceTokens) and t.unread:
-            for v in t.head:
-                index.append(R * D + len(host))
-                host.append(int(v))
-            index += [t.row * D + c for c in t.cols]
-        else:
-            index += range(R * D + len(host), R * D + len(host) + len(t))
-            host += map(int, t)
-    table = mx.concatenate([drawn.array.reshape(-1).astype(mx.int32), mx.array(host, mx.int32)])
-    return table[mx.array(index, dtype=mx.int32)]
 
 
 def _token_array(batch: Sequence[Row] | Sequence[DraftRow]) -> mx.array:

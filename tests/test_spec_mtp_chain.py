@@ -16,7 +16,7 @@ import pytest
 
 from engine.cache import SlotId, SlotPool, SlotSnapshot
 from engine.models.qwen35 import Model, load_model
-from engine.runner import BatchError, ChainRow, DeviceTokens, DraftRow, ModelRunner, Row
+from engine.runner import BatchError, ChainRow, DraftRow, ModelRunner
 from engine.sampling import RequestRng, SamplingParams, Shaping
 from engine.spec.drafters import Draft, DraftJob, MTPDrafter
 from engine.spec.offline import GREEDY
@@ -71,25 +71,18 @@ def decode(
     slots: Sequence[tuple[SamplingParams, int]],
     uniform: bool = False,
     chunk: int | None = None,
-    unread: list[tuple[int, int]] | None = None,
-    n_slots: int | None = None,
 ) -> tuple[RecordingMTPDrafter, list[list[int]], list[SlotId], SlotPool]:
     """ROUNDS speculative steps of every slot ("on", capped at its depth) after a prefill
     of a prompt of its own; the drafter, each slot's tokens, the slots, the pool.
-    `uniform`: uniform rounds and verify rows, a GPU's shapes (`MTPDrafter.uniform`,
-    `Speculator.use_uniform_shapes`, widths padded); `chunk`: its longest catch-up row
-    (`MTPDrafter.CHUNK`); `unread`: gets, per round, how many rows held drafted tokens the
-    host had not read when the plan was made and when the verify step was queued;
-    `n_slots`: the pool's (default: one a slot)."""
-    pool = SlotPool(model.config, n_slots or len(slots), 96, mx.float32, max_draft=K)
+    `uniform`: the drafter's uniform rounds (`MTPDrafter.uniform`); `chunk`: its longest
+    catch-up row (`MTPDrafter.CHUNK`)."""
+    pool = SlotPool(model.config, len(slots), 96, mx.float32, max_draft=K)
     runner = ModelRunner(model, pool, compile=compile)
     runner.compile_after = 1  # compiled: every shape's first step too, not only recurring ones
-    runner.pad_widths = uniform and compile
     drafter = RecordingMTPDrafter(runner, on_device=on_device, uniform=uniform)
     if chunk is not None:
         drafter.CHUNK = chunk
     spec = Speculator(runner, K, [drafter])
-    spec.use_uniform_shapes(uniform)
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(0, 512, 5 + 3 * i)] for i in range(len(slots))]
     ids = [pool.allocate() for _ in slots]
@@ -101,20 +94,11 @@ def decode(
         for i, (s, p, (params, k)) in enumerate(zip(ids, prompts, slots, strict=True))
     ]
     for _ in range(ROUNDS):
-        rows = spec.plan(states)
-        planned = _unread(rows)
-        outputs = runner.step(rows).rows
-        if unread is not None:
-            unread.append((planned, _unread(rows)))
-        committed = spec.resolve(states, outputs)
+        committed = spec.resolve(states, runner.step(spec.plan(states)).rows)
         for d, c in zip(states, committed, strict=True):
             d.history += c.tokens
             d.pending = c.tokens[-1]
     return drafter, [d.history for d in states], ids, pool
-
-
-def _unread(rows: Sequence[Row]) -> int:
-    return sum(isinstance(r.tokens, DeviceTokens) and r.tokens.unread for r in rows)
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
@@ -252,18 +236,3 @@ def test_a_chain_past_the_context_or_naming_a_slot_twice_is_refused(model: Model
     for x, y in zip(kv.mtp_kv, after.mtp_kv, strict=True):
         np.testing.assert_array_equal(x, y)
     assert [len(t) for t, _ in runner.draft_chain([row(12, 5)], shaping)] == [5]  # fits: 16
-
-
-def test_the_verify_step_is_queued_before_the_host_reads_the_drafts(model: Model) -> None:
-    """A chain's drafts stay on the device until the verify step that checks them has been
-    queued behind it (fed as device tokens, padded to the step's width, beside a slot that
-    drafts nothing and so feeds host tokens): the host waits once a round, not once for the
-    chain and again for the step. The same drafts, commits and MTP K/V as the per-depth
-    path, whose drafts are host lists."""
-    slots = [*SLOTS, (WARM, 0)]
-    unread: list[tuple[int, int]] = []
-    queued = decode(model, True, True, slots, uniform=True, unread=unread, n_slots=8)
-    drafting = sum(1 for _, k in slots if k)
-    assert unread == [(drafting, drafting)] * ROUNDS
-    assert queued[0].runner.padded_width(len(slots)) == 8  # (two padding rows a step)
-    assert_same_rounds(slots, queued, decode(model, False, True, slots))

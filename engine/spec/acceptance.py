@@ -17,8 +17,6 @@ also covers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import mlx.core as mx
 import numpy as np
 
@@ -63,9 +61,7 @@ def accept(
     return np.array(n), np.array(draw(target, u_draw))
 
 
-def accept_greedy(
-    best: np.ndarray, drafts: Sequence[Sequence[int]]
-) -> tuple[np.ndarray, np.ndarray]:
+def accept_greedy(best: np.ndarray, drafts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """`accept` for slots whose every verified position is greedy (p one-hot at its
     argmax), from the argmaxes alone: whatever q is, a draft is accepted exactly when it
     equals the target's argmax there, and the next token is the argmax after the longest

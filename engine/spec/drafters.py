@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cache import SlotId
-from engine.runner import ChainRow, DeviceTokens, DraftRow, ModelRunner, uniform_shapes
+from engine.runner import ChainRow, DraftRow, ModelRunner, uniform_shapes
 from engine.sampling import Shaping, adjust_logits, distribution, draw
 from engine.spec.dflash import DFlashModel, DFlashPool
 
@@ -54,8 +54,7 @@ class DraftJob:
 class Draft:
     """Proposed tokens and, per token, the distribution it was drawn from (`[k, V]`)."""
 
-    # a list as drafted on the host; `DeviceTokens` as an MTP chain draws them on the device
-    tokens: list[int] | DeviceTokens = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
     q: mx.array | None = None  # None: each token is a point mass
 
 
@@ -662,13 +661,13 @@ def _sample(chains: list[_Chain]) -> None:
     """Draw each chain's next draft token from q, shaped exactly as the target's p will be."""
     ds = [c.job.d for c in chains]
     params = [d.params for d in ds]
-    drafted = [cast(list[int], c.draft.tokens) for c in chains]  # (drawn here: host lists)
     history = [
-        d.history + t if d.params.penalized else [] for d, t in zip(ds, drafted, strict=True)
+        d.history + c.draft.tokens if d.params.penalized else []
+        for d, c in zip(ds, chains, strict=True)
     ]
     logits = adjust_logits(mx.concatenate([c.logits for c in chains]), params, history)
     q = distribution(logits, params)
     tokens = np.array(draw(q, np.array([d.rng.uniform(1)[0] for d in ds])))
-    for row, (c, t) in enumerate(zip(chains, drafted, strict=True)):
-        t.append(int(tokens[row]))
+    for row, c in enumerate(chains):
+        c.draft.tokens.append(int(tokens[row]))
         c.qs.append(q[row])

@@ -36,7 +36,6 @@ import numpy as np
 
 from engine.cache import SlotId
 from engine.runner import (
-    DeviceTokens,
     ModelRunner,
     Row,
     RowOutput,
@@ -392,14 +391,10 @@ class Speculator:
         for d, n in zip(decoding, lengths, strict=True):
             name, draft = drafts.get(d.slot, ("", Draft()))
             k = len(draft.tokens)
-            # filler: the row's last token again (read by nothing: rolled back)
-            fill = max(0, min(deepest - k, room - n - k - 1)) if self.uniform_verify else 0
-            tokens: Sequence[int]
-            if isinstance(draft.tokens, DeviceTokens):  # drawn on the device, not read yet
-                tokens = draft.tokens.after([d.pending], fill)
-            else:
-                tokens = [d.pending, *draft.tokens]
-                tokens += tokens[-1:] * fill
+            tokens = [d.pending, *draft.tokens]
+            if self.uniform_verify and deepest:
+                # filler: the row's last token again (read by nothing: rolled back)
+                tokens += tokens[-1:] * max(0, min(deepest - k, room - n - k - 1))
             self._plans[d.slot] = _Plan(name, draft, n)
             rows.append(
                 Row(
@@ -672,7 +667,7 @@ def _draft_distributions(plans: list[_Plan], K: int, V: int) -> mx.array:
         if p.draft.q is not None:
             parts.append(p.draft.q)
         elif p.draft.tokens:
-            tokens = mx.array(list(p.draft.tokens), dtype=mx.int32)
+            tokens = mx.array(p.draft.tokens, dtype=mx.int32)
             parts.append((mx.arange(V)[None, :] == tokens[:, None]).astype(mx.float32))
     flat = mx.concatenate([*parts, mx.zeros((1, V))])
     zero, index, offset = flat.shape[0] - 1, [], 0
