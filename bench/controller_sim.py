@@ -15,10 +15,12 @@ versions; it imports the controller of the tree it is run from.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import timeit
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -106,18 +108,33 @@ STALLING = {  # (made afresh for each run: a world stalls once)
 }
 
 
-def choose_us(width: int) -> float:
+def choose_us(width: int, module: Any = None, reps: int = 5) -> float:
     """Microseconds of one `choose` for `width` "auto" slots, the per-step host cost of the
     controller: every narrower width has measured plain decode and a draft of 1, this one
-    plain decode only (it borrows a neighbour's costs)."""
-    ctrl = CostController()
+    plain decode only (it borrows a neighbour's costs). `module`: the controller's module
+    (default: this tree's)."""
+    m = module or sys.modules[CostController.__module__]
+    ctrl = m.CostController()
     for w in range(1, width):
         ctrl.observe_step(w, 0, 0.010)
         ctrl.observe_step(w, 1, 0.030)
     ctrl.observe_step(width, 0, 0.010)
-    offers = [Offer(SlotId(i), "mtp", CAP) for i in range(width)]
+    offers = [m.Offer(SlotId(i), "mtp", CAP) for i in range(width)]
     number = max(10, 2000 // width)
-    return 1e6 * min(timeit.repeat(lambda: ctrl.choose(offers), number=number, repeat=5)) / number
+    times = timeit.repeat(lambda: ctrl.choose(offers), number=number, repeat=reps)
+    return 1e6 * min(times) / number
+
+
+def other_controller(tree: Path) -> Any:
+    """`engine/spec/controller.py` of another tree, loaded beside this tree's."""
+    spec = importlib.util.spec_from_file_location(
+        "_other_controller", tree / "engine" / "spec" / "controller.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main() -> None:
@@ -125,10 +142,26 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--skip", type=int, default=100, help="first steps left out of the ratios")
     p.add_argument("--choose-widths", default="8,64,1024", help="widths `choose` is timed at")
+    p.add_argument(
+        "--compare",
+        type=Path,
+        help="another tree: its controller's `choose` timed too, the two alternating 7 times",
+    )
     args = p.parse_args()
-    print("| width | choose, us (best of 5) |\n|---|---|")
-    for width in map(int, args.choose_widths.split(",")):
-        print(f"| {width} | {choose_us(width):.0f} |")
+    if args.compare is None:
+        print("| width | choose, us (best of 5) |\n|---|---|")
+        for width in map(int, args.choose_widths.split(",")):
+            print(f"| {width} | {choose_us(width):.0f} |")
+    else:
+        other = other_controller(args.compare)
+        print(f"| width | choose, us: {args.compare} | this tree (best of 7 x 3, alternating) |")
+        print("|---|---|---|")
+        for width in map(int, args.choose_widths.split(",")):
+            them, us = [], []
+            for _ in range(7):
+                them.append(choose_us(width, other, reps=3))
+                us.append(choose_us(width, reps=3))
+            print(f"| {width} | {min(them):.0f} | {min(us):.0f} |")
     print()
     print("| world | width | steps that draft (by depth 1-4) | ms/token vs plain | vs best depth |")
     print("|---|---|---|---|---|")
