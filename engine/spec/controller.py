@@ -131,17 +131,26 @@ class _Rates:
 
     def ensure(self, slots: np.ndarray, prior: _Rate) -> None:
         """Give the slots not known yet the counts `prior` (`slots`: distinct)."""
-        need = int(slots.max(initial=-1)) + 1
+        self._grow(int(slots.max(initial=-1)) + 1)
+        new = slots[~self.known[slots]]
+        if new.size:
+            self.accepted[new], self.tried[new] = prior.accepted, prior.tried
+            self.known[new] = True
+
+    def ensure_one(self, slot: int, prior: _Rate) -> None:
+        """`ensure` for one slot, without numpy's per-call cost (a step asks per slot)."""
+        self._grow(slot + 1)
+        if not self.known[slot]:
+            self.accepted[slot], self.tried[slot] = prior.accepted, prior.tried
+            self.known[slot] = True
+
+    def _grow(self, need: int) -> None:
         if need > self.known.size:
             size = max(need, 2 * self.known.size, 8)
             grow = size - self.known.size
             self.accepted = np.concatenate([self.accepted, np.zeros(grow)])
             self.tried = np.concatenate([self.tried, np.zeros(grow)])
             self.known = np.concatenate([self.known, np.zeros(grow, dtype=bool)])
-        new = slots[~self.known[slots]]
-        if new.size:
-            self.accepted[new], self.tried[new] = prior.accepted, prior.tried
-            self.known[new] = True
 
     def values(self, slots: np.ndarray) -> np.ndarray:
         return (self.accepted[slots] + 1.0) / (self.tried[slots] + 1.0)
@@ -183,7 +192,17 @@ class CostController:
 
     def rate(self, slot: SlotId, drafter: str) -> float:
         """Estimated chance that the slot's next draft token from `drafter` is accepted."""
-        return float(self._read(drafter, np.array([slot]))[0])
+        rates = self._one(drafter, slot)
+        return (float(rates.accepted[slot]) + 1.0) / (float(rates.tried[slot]) + 1.0)
+
+    def _one(self, drafter: str, slot: int) -> _Rates:
+        rates = self._rates.get(drafter)
+        if rates is None:
+            rates = self._rates[drafter] = _Rates()
+        if slot >= rates.known.size or not rates.known[slot]:
+            pooled = self._pooled.get(drafter)
+            rates.ensure_one(slot, pooled.scaled(self.prior_weight) if pooled else _Rate())
+        return rates
 
     def _read(self, drafter: str, slots: np.ndarray) -> np.ndarray:
         """`rate` of each of `slots` (distinct), a slot seen first starting from what the
@@ -289,6 +308,13 @@ class CostController:
         if auto and 0 in self.seconds.get(width, {}) and not stale:
             ks = self._deepen(offers, ks, auto)
         idle = [i for i in auto if ks[i] == 0]
+        if len(idle) <= 4:  # (a few: numpy's cost per call outweighs its loop)
+            for i in idle:
+                o = offers[i]
+                rates = self._one(o.drafter, o.slot)
+                rates.accepted[o.slot] *= self.idle_decay
+                rates.tried[o.slot] *= self.idle_decay
+            return ks
         for drafter, ix in self._by_drafter(offers, idle).items():
             slots = np.array([offers[i].slot for i in ix], dtype=np.int64)
             self._rates_of(drafter, slots).fade(slots, self.idle_decay)
@@ -378,9 +404,9 @@ class CostController:
 
     def observe_round(self, slot: SlotId, drafter: str, drafted: int, accepted: int) -> None:
         """A verify round of the slot accepted `accepted` of `drafted` tokens from `drafter`."""
-        at = np.array([slot], dtype=np.int64)
-        rates = self._rates_of(drafter, at)
-        rates.fade(at, self.decay)
+        rates = self._one(drafter, slot)
+        rates.accepted[slot] *= self.decay
+        rates.tried[slot] *= self.decay
         rates.accepted[slot] += accepted
         rates.tried[slot] += accepted + (1 if accepted < drafted else 0)
         self._pooled.setdefault(drafter, _Rate()).update(drafted, accepted, self.decay)
