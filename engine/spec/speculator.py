@@ -631,11 +631,16 @@ class Speculator:
     def _commit(self, slot: SlotId, plan: _Plan, out: RowOutput, k: int, accepted: int) -> None:
         """Tell the drafters and the cost controller what the slot kept (its rollback, if any,
         is done)."""
-        if out.hidden is not None:
-            taps = None if out.taps is None else out.taps[: accepted + 1]
+        hidden = out.hidden
+        if hidden is not None:
+            if hidden.shape[0] > accepted + 1:  # (a slice only where some are dropped)
+                hidden = hidden[: accepted + 1]
+            taps = out.taps
+            if taps is not None and taps.shape[0] > accepted + 1:
+                taps = taps[: accepted + 1]
             for d in self.drafters:
                 if d.needs_hidden(slot):
-                    d.observe(slot, plan.length, out.hidden[: accepted + 1], taps)
+                    d.observe(slot, plan.length, hidden, taps)
         if k:
             self.controller.observe_round(slot, plan.drafter, k, accepted)
 
