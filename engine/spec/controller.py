@@ -119,47 +119,6 @@ class _Rate:
         return (self.accepted + 1.0) / (self.tried + 1.0)
 
 
-class _Rates:
-    """One drafter's decayed counts for every slot, in arrays indexed by slot: a step reads
-    and fades all its slots' at once (a `_Rate` per slot, read one by one, was two thirds of
-    `choose` at 64 slots). A slot's counts start, at its first use, from `prior`."""
-
-    def __init__(self) -> None:
-        self.accepted = np.zeros(0)
-        self.tried = np.zeros(0)
-        self.known = np.zeros(0, dtype=bool)
-
-    def ensure(self, slots: np.ndarray, prior: _Rate) -> None:
-        """Give the slots not known yet the counts `prior` (`slots`: distinct)."""
-        self._grow(int(slots.max(initial=-1)) + 1)
-        new = slots[~self.known[slots]]
-        if new.size:
-            self.accepted[new], self.tried[new] = prior.accepted, prior.tried
-            self.known[new] = True
-
-    def ensure_one(self, slot: int, prior: _Rate) -> None:
-        """`ensure` for one slot, without numpy's per-call cost (a step asks per slot)."""
-        self._grow(slot + 1)
-        if not self.known[slot]:
-            self.accepted[slot], self.tried[slot] = prior.accepted, prior.tried
-            self.known[slot] = True
-
-    def _grow(self, need: int) -> None:
-        if need > self.known.size:
-            size = max(need, 2 * self.known.size, 8)
-            grow = size - self.known.size
-            self.accepted = np.concatenate([self.accepted, np.zeros(grow)])
-            self.tried = np.concatenate([self.tried, np.zeros(grow)])
-            self.known = np.concatenate([self.known, np.zeros(grow, dtype=bool)])
-
-    def values(self, slots: np.ndarray) -> np.ndarray:
-        return (self.accepted[slots] + 1.0) / (self.tried[slots] + 1.0)
-
-    def fade(self, slots: np.ndarray, decay: float) -> None:
-        self.accepted[slots] *= decay
-        self.tried[slots] *= decay
-
-
 @dataclass
 class CostController:
     """Chooses per-slot draft depths from measured step times (see the module docstring).
@@ -177,7 +136,7 @@ class CostController:
     remeasure_every: int = 64
     stall: float = 8.0  # a sample this many times what was expected is a stall, unless repeated
     seconds: dict[int, dict[int, float]] = field(default_factory=dict)  # width -> depth -> s
-    _rates: dict[str, _Rates] = field(default_factory=dict)  # per drafter, every slot
+    _rates: dict[tuple[SlotId, str], _Rate] = field(default_factory=dict)
     _pooled: dict[str, _Rate] = field(default_factory=dict)  # per drafter, all slots
     _steps: dict[int, int] = field(default_factory=dict)  # steps observed per width
     # (width, depth) -> the width's step count when that depth last ran
@@ -192,43 +151,14 @@ class CostController:
 
     def rate(self, slot: SlotId, drafter: str) -> float:
         """Estimated chance that the slot's next draft token from `drafter` is accepted."""
-        rates = self._one(drafter, slot)
-        return (float(rates.accepted[slot]) + 1.0) / (float(rates.tried[slot]) + 1.0)
+        return self._rate(slot, drafter).value
 
-    def _one(self, drafter: str, slot: int) -> _Rates:
-        rates = self._rates.get(drafter)
-        if rates is None:
-            rates = self._rates[drafter] = _Rates()
-        if slot >= rates.known.size or not rates.known[slot]:
+    def _rate(self, slot: SlotId, drafter: str) -> _Rate:
+        key = (slot, drafter)
+        if key not in self._rates:
             pooled = self._pooled.get(drafter)
-            rates.ensure_one(slot, pooled.scaled(self.prior_weight) if pooled else _Rate())
-        return rates
-
-    def _read(self, drafter: str, slots: np.ndarray) -> np.ndarray:
-        """`rate` of each of `slots` (distinct), a slot seen first starting from what the
-        drafter did for earlier ones (at most `prior_weight` draft tokens' worth)."""
-        rates = self._rates_of(drafter, slots)
-        return rates.values(slots)
-
-    def _rates_of(self, drafter: str, slots: np.ndarray) -> _Rates:
-        rates = self._rates.get(drafter)
-        if rates is None:
-            rates = self._rates[drafter] = _Rates()
-        pooled = self._pooled.get(drafter)
-        rates.ensure(slots, pooled.scaled(self.prior_weight) if pooled else _Rate())
-        return rates
-
-    def _by_drafter(self, offers: Sequence[Offer], which: Sequence[int]) -> dict[str, np.ndarray]:
-        """The offers `which` (indices) grouped by drafter: drafter -> their indices."""
-        if not which:
-            return {}
-        first = offers[which[0]].drafter
-        if all(offers[i].drafter == first for i in which):  # (the common step: one drafter)
-            return {first: np.asarray(which, dtype=np.int64)}
-        groups: dict[str, list[int]] = {}
-        for i in which:
-            groups.setdefault(offers[i].drafter, []).append(i)
-        return {d: np.asarray(ix, dtype=np.int64) for d, ix in groups.items()}
+            self._rates[key] = pooled.scaled(self.prior_weight) if pooled else _Rate()
+        return self._rates[key]
 
     def predict(self, width: int, depth: int) -> float | None:
         """Seconds of a step of `width` slots whose deepest draft is `depth` (None: unknown)."""
@@ -307,54 +237,36 @@ class CostController:
         stale = stale and not any(ks)
         if auto and 0 in self.seconds.get(width, {}) and not stale:
             ks = self._deepen(offers, ks, auto)
-        idle = [i for i in auto if ks[i] == 0]
-        if len(idle) <= 4:  # (a few: numpy's cost per call outweighs its loop)
-            for i in idle:
-                o = offers[i]
-                rates = self._one(o.drafter, o.slot)
-                rates.accepted[o.slot] *= self.idle_decay
-                rates.tried[o.slot] *= self.idle_decay
-            return ks
-        for drafter, ix in self._by_drafter(offers, idle).items():
-            slots = np.array([offers[i].slot for i in ix], dtype=np.int64)
-            self._rates_of(drafter, slots).fade(slots, self.idle_decay)
+        for i in auto:
+            if ks[i] == 0:
+                self._rate(offers[i].slot, offers[i].drafter).fade(self.idle_decay)
         return ks
 
     def _deepen(self, offers: Sequence[Offer], ks: list[int], auto: list[int]) -> list[int]:
         """The depths with the most expected tokens per predicted second. Per step: O(slots)
-        to read the offers, then array operations over slots and depths at once (Python per
-        slot and depth cost ~4 ms a step at 1,024 slots)."""
+        to read the rates and tabulate each slot's tokens at every depth, then a vector sum a
+        depth (Python per slot and depth cost ~4 ms a step at 1,024 slots)."""
         width = len(offers)
-        rates = np.ones(width)  # (an offer of no drafter: its rate is read by nothing)
-        slots = np.array([o.slot for o in offers], dtype=np.int64)
-        for drafter, ix in self._by_drafter(offers, range(width)).items():
-            if drafter:
-                rates[ix] = self._read(drafter, slots[ix])
+        rates = np.array([self.rate(o.slot, o.drafter) for o in offers])
         caps = np.array([o.cap for o in offers])
-        base = np.array(ks)
-        at = np.array(auto, dtype=np.int64)
-        joining = at[rates[at] >= self.min_rate]
+        joining = np.array([i for i in auto if rates[i] >= self.min_rate], dtype=np.int64)
         source = self._source(width)
-        deepest = max(max(ks), min(int(caps[at].max()), self._reach(width, source)))
+        deepest = max(max(ks), min(int(caps[auto].max()), self._reach(width, source)))
         # committed[i, k]: slot i's expected tokens with k drafts, 1 + a + ... + a^k
-        committed = np.cumsum(rates[:, None] ** np.arange(deepest + 1), axis=1)
-        # trials[j]: every slot's depth if the step drafts `depths[j]` deep (0: as `ks`)
-        depths = np.arange(max(ks), deepest + 1)
-        trials = np.empty((depths.size, width), dtype=base.dtype)
-        trials[:] = base
-        # (joining slots are "auto" ones, at 0 in `ks`: depth 0 leaves them there)
-        trials[:, joining] = np.minimum(depths[:, None], caps[joining])
-        tokens = committed[np.arange(width), trials].sum(axis=1)
-        best, best_rate = base, -1.0
-        for trial, made, deep in zip(
-            trials, tokens.tolist(), trials.max(axis=1).tolist(), strict=True
-        ):
-            seconds = self._predict(width, deep, source)
+        powers = rates[:, None] ** np.arange(deepest + 1)
+        committed = np.cumsum(powers, axis=1)
+        rows = np.arange(width)
+        best, best_rate = np.array(ks), -1.0
+        for depth in range(max(ks), deepest + 1):
+            trial = np.array(ks)
+            if depth:
+                trial[joining] = np.minimum(depth, caps[joining])
+            seconds = self._predict(width, int(trial.max()), source)
             assert seconds is not None  # plain decode is measured, so every depth predicts
-            rate = made / max(seconds, 1e-9)
+            rate = float(committed[rows, trial].sum()) / max(seconds, 1e-9)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = trial, rate
-        return best.tolist()
+        return [int(k) for k in best]
 
     def observe_step(self, width: int, depth: int, seconds: float) -> None:
         """A step of `width` decoding slots whose deepest draft was `depth` took `seconds`."""
@@ -404,18 +316,13 @@ class CostController:
 
     def observe_round(self, slot: SlotId, drafter: str, drafted: int, accepted: int) -> None:
         """A verify round of the slot accepted `accepted` of `drafted` tokens from `drafter`."""
-        rates = self._one(drafter, slot)
-        rates.accepted[slot] *= self.decay
-        rates.tried[slot] *= self.decay
-        rates.accepted[slot] += accepted
-        rates.tried[slot] += accepted + (1 if accepted < drafted else 0)
+        self._rate(slot, drafter).update(drafted, accepted, self.decay)
         self._pooled.setdefault(drafter, _Rate()).update(drafted, accepted, self.decay)
 
     def forget(self, slot: SlotId) -> None:
         """The slot's request ended: its acceptance history does not carry over."""
-        for rates in self._rates.values():
-            if slot < rates.known.size:
-                rates.known[slot] = False
+        for key in [k for k in self._rates if k[0] == slot]:
+            del self._rates[key]
 
 
 def _interpolate(table: dict[int, float], depth: int) -> float:
