@@ -75,6 +75,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -83,9 +84,9 @@ from engine.cache import SlotId
 MODES = ("off", "on", "auto")
 
 
-@dataclass(frozen=True)
-class Offer:
-    """What one slot could draft this step: up to `cap` tokens from `drafter` ("" = none)."""
+class Offer(NamedTuple):
+    """What one slot could draft this step: up to `cap` tokens from `drafter` ("" = none).
+    (A NamedTuple: every decoding slot makes one per step.)"""
 
     slot: SlotId
     drafter: str

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 import mlx.core as mx
 import numpy as np
@@ -38,11 +38,11 @@ if TYPE_CHECKING:
 UNBOUNDED = 1 << 30  # `available` of a drafter that can extend a draft indefinitely
 
 
-@dataclass(frozen=True)
-class DraftJob:
+class DraftJob(NamedTuple):
     """One slot of a step for a drafter: draft `k` tokens (0: none) after `d.pending`.
 
-    `length` is the slot's trunk length; `d.pending` will sit at that position.
+    `length` is the slot's trunk length; `d.pending` will sit at that position. (A
+    NamedTuple: every decoding slot makes one per drafter per step.)
     """
 
     d: DecodingSlot
@@ -56,6 +56,9 @@ class Draft:
 
     tokens: list[int] = field(default_factory=list)
     q: mx.array | None = None  # None: each token is a point mass
+
+
+NO_DRAFT = Draft()  # what a drafter hands out for a slot it does not draft for; never changed
 
 
 class DrafterState(Protocol):
@@ -139,7 +142,7 @@ class NgramDrafter(Drafter):
 
     def draft(self, jobs: Sequence[DraftJob]) -> list[Draft]:
         return [
-            Draft(_continued(j.d.history, self._at(j.d), j.k)) if j.k else Draft() for j in jobs
+            Draft(_continued(j.d.history, self._at(j.d), j.k)) if j.k else NO_DRAFT for j in jobs
         ]
 
     def begin(self, slot: SlotId) -> None:
@@ -355,12 +358,12 @@ class MTPDrafter(Drafter):
         self._tails[slot] = _Tail(state.start, state.arrays(), state.n)
 
     def draft(self, jobs: Sequence[DraftJob]) -> list[Draft]:
-        out = [Draft() for _ in jobs]
         self.caught_up = 0
         live = [i for i, j in enumerate(jobs) if self.available(j.d, j.length)]
         backlog = any(self._tails[jobs[i].d.slot].n >= self.max_backlog for i in live)
         if not any(jobs[i].k for i in live) and not backlog:
-            return out
+            return [NO_DRAFT] * len(jobs)
+        out = [Draft() for _ in jobs]
         rows = []
         for i in live:
             j = jobs[i]

@@ -56,6 +56,7 @@ from engine.spec.acceptance import accept, accept_greedy
 from engine.spec.controller import MODES, CostController, Offer
 from engine.spec.dflash import DFlashModel
 from engine.spec.drafters import (
+    NO_DRAFT,
     DFlashDrafter,
     Draft,
     Drafter,
@@ -165,9 +166,6 @@ class SpecStats:
             self.accepted_at_depth[d] += 1
 
 
-_NO_DRAFT = Draft()  # shared by plain rows; never changed
-
-
 @dataclass(eq=False)  # (compared by identity: `None in plans` stays a scan in C)
 class _Plan:
     drafter: str
@@ -175,7 +173,11 @@ class _Plan:
     length: int  # the slot's trunk length when planned
 
 
-_PLAIN = _Plan("", _NO_DRAFT, -1)  # every slot's plan in a step without drafters
+_PLAIN = _Plan("", NO_DRAFT, -1)
+_UNDRAFTED = (
+    "",
+    NO_DRAFT,
+)  # a slot no drafter drafted for this step  # every slot's plan in a step without drafters
 _slot_of = attrgetter("slot")  # (C calls per slot)
 _ARGMAX_ONLY = attrgetter("argmax_only")
 _params_of, _logprobs_of = attrgetter("params"), attrgetter("logprobs")
@@ -368,7 +370,7 @@ class Speculator:
             rows = list(map(_new_tuple, repeat(Row), fields))  # (the defaults repeat forever)
             if self.drafters:  # they may follow the trunk from each plan's length
                 for r in rows:
-                    self._plans[r.slot] = _Plan("", _NO_DRAFT, r.start)
+                    self._plans[r.slot] = _Plan("", NO_DRAFT, r.start)
             else:  # no one reads a plain plan's length: one plan serves every slot
                 self._plain_slots = slots
             self._cycle = (start, len(rows), 0)
@@ -389,7 +391,7 @@ class Speculator:
         deepest = max((len(x.tokens) for _, x in drafts.values()), default=0)
         room = self.runner.pool.max_context
         for d, n in zip(decoding, lengths, strict=True):
-            name, draft = drafts.get(d.slot, ("", Draft()))
+            name, draft = drafts.get(d.slot, _UNDRAFTED)
             k = len(draft.tokens)
             tokens = [d.pending, *draft.tokens]
             if self.uniform_verify and deepest:
