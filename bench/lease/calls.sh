@@ -8,15 +8,13 @@
 #   c9  -                            speculation's phases, N = 1, 8 (first run in session 15)
 #   p1-p4                            session 14's plan (session 15 ran p2-p4; p1 never)
 # Calls already run are in git history (session 13: c3-c8; session 14: s1, s2; session 15:
-# c1, c2, p2, p4, c9, p3, r1).
-# Next lease (~1,100 s; move models/slotserve-demo.gguf out of the tree for c1, put it back
-# after c1: .gpu_b and the tree with it fit, README): c1; c2 with
-# LEASE_MODELS="qwen3.5-0.8b:f16" (~60 s); c9 with NS="1 8" GEN=128 (~300 s, longer runs than
-# session 15's 64 tokens: whether the controller of session 15 (`d3509f2`; vectorized, same
-# choices, in `34c2b5a`) keeps MTP auto at N = 1 at or above its 1.22x and lifts N = 8 from
-# 0.51x); p2 with P2_TESTS=0 for llama.cpp's build alone (its tests passed in session 15); p3
-# with REPS=2 (the host's two modes: one sample a cell read N = 8 at 2,496 where sweeps of the
-# same lease read 2,734-3,065).
+# c1, c2, p2, p4, c9, p3, r1; session 16: c1 and spec_phases runs, see PERFORMANCE.md).
+# Next lease (~1,200 s): c1 (move models/slotserve-demo.gguf out of the tree for c1 only;
+# .gpu_w may ride with .gpu_a there); c2 with LEASE_MODELS="qwen3.5-0.8b:f16" (~60 s); c9
+# with NS="1 8" GEN=128 and a plain run first and last (session 16: the host changed speed
+# between runs, so alternate what is compared); p2 with P2_TESTS=0 (llama.cpp's build);
+# p3 with REPS=2 (the suite was not run in session 16; session 15's N = 8 read 1.29x of
+# llama.cpp, the target 1.3x).
 set -u
 M=/tmp/models
 L=/tmp/llama/llama.cpp/build/bin/llama-batched-bench
@@ -37,7 +35,7 @@ c4)
 c9)  # where a speculative round's time goes on the GPU, MTP's catch-up and chain apart
   for n in ${NS:-1 8}; do
     timeout 200 python3 bench/spec_phases.py --model models/slotserve-demo.gguf --n $n --gen ${GEN:-64} \
-      --compile --precompile --configs plain:off,ngram:auto,mtp:on,mtp:auto \
+      --compile --precompile --configs plain:off,ngram:auto,mtp:on,mtp:auto,plain:off --trace \
       --json "$OUT/c9_phases_n$n.json" > "$OUT/c9_phases_n$n.md" 2>&1
     tail -n 6 "$OUT/c9_phases_n$n.md"
   done ;;
