@@ -14,7 +14,10 @@ there, and on a GPU costs tens to thousands of ms. `--warmup` runs come first (d
 compiled runner compiles a shape the second time it comes, so after one warm-up run every
 shape met once is compiled inside the timed run — session 9's MTP plan of 249-328 ms a step
 on the H200 was mostly that). `--uniform` forces uniform rows (the default of a compiled
-runner on a GPU) on any device.
+runner on a GPU) on any device. `--rounds R` times every configuration R times in turn, each
+engine kept warm, and adds each configuration's median: the H200's host changed speed between
+runs of one process (session 16: plain decode at N = 8 read 1.17 and 1.75 ms a step), so
+configurations compared should alternate.
 
     python bench/spec_phases.py --model models/slotserve-demo.gguf [--ids IDS] --n 8 --compile
 """
@@ -23,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +93,19 @@ def _trace(ctrl: CostController, log: list[list[object]]) -> None:
     ctrl.observe_step = observed  # type: ignore[method-assign]
 
 
-def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: Any) -> dict:
-    """ms per decode step by phase for one configuration (`args.warmup` runs, then one timed)."""
+@dataclass
+class _Engine:
+    """One configuration's engine, warmed up, its timing hooks in place (kept across rounds)."""
+
+    spec: Any
+    requests: list[Request]
+    spent: dict[str, float]
+    trace: list[list[object]]
+    proxy: _EvalTimed
+
+
+def _engine(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: Any) -> _Engine:
+    """Build one configuration's engine, run its `args.warmup` untimed runs, hook its phases."""
     K = args.k
     spec = speculator(model, drafter, prompts, args, None)  # (spec_decode's engine)
     runner, pool = spec.runner, spec.runner.pool
@@ -112,16 +128,24 @@ def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: 
     # inside the chain: its wait for the device (the catch-up's work and the chain's own),
     # the rest being the host's building of both
     proxy = _EvalTimed(spent, "chain wait")
-    engine.runner.mx = proxy  # type: ignore[assignment]
     runner.draft_chain = _waits_timed(proxy, runner.draft_chain)  # type: ignore[method-assign]
     harness.time_calls(spec, "resolve", spent, "resolve")
     harness.time_calls(pool, "rollback_many", spent, "rollback")
     trace: list[list[object]] = []
     if args.trace:
         _trace(spec.controller, trace)
+    return _Engine(spec, requests, spent, trace, proxy)
+
+
+def phases(e: _Engine, drafter: str, mode: str) -> dict:
+    """ms per decode step by phase for one timed run of a configuration's engine."""
+    e.spent.clear()
+    e.trace.clear()
+    runner = e.spec.runner
+    engine.runner.mx = e.proxy  # type: ignore[assignment]
     cold = runner.cold_steps
     try:
-        run = generate(spec, requests)
+        run = generate(e.spec, e.requests)
     finally:
         engine.runner.mx = mx  # type: ignore[assignment]
     steps = max(run.steps, 1)
@@ -131,12 +155,12 @@ def phases(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: 
         "steps": run.steps,
         "decode_ms": 1000 * run.decode_s,
         "new_shapes": runner.cold_steps - cold,
-        "ms_per_step": {k: 1000 * spent.get(k, 0.0) / steps for k in PHASES},
+        "ms_per_step": {k: 1000 * e.spent.get(k, 0.0) / steps for k in PHASES},
         "controller": {
             str(w): {str(d): 1000 * s for d, s in t.items()}
-            for w, t in spec.controller.seconds.items()
+            for w, t in e.spec.controller.seconds.items()
         },
-        "trace": trace,
+        "trace": list(e.trace),
     }
 
 
@@ -161,6 +185,13 @@ def main() -> None:
         help="with --compile: every steady shape compiled first (the daemon's precompile = all)",
     )
     p.add_argument("--configs", default=",".join(f"{d}:{m}" for d, m in CONFIGS))
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="timed runs of every configuration, in turn (engines kept warm): the host's speed "
+        "drifts between runs on the H200, so compare configurations alternated",
+    )
     p.add_argument("--json", type=Path)
     p.add_argument(
         "--trace", action="store_true", help="the controller's choices and samples, into --json"
@@ -181,19 +212,39 @@ def main() -> None:
         + " |"
     )
     print("|---|---|---|---|---|" + "---|" * len(PHASES))
-    for config in args.configs.split(","):
-        drafter, mode = config.split(":")
-        r = phases(model, prompts, drafter, mode, args)
-        rows.append(r)
-        cells = " | ".join(f"{r['ms_per_step'][k]:.2f}" for k in PHASES)
-        head = f"| {drafter} | {mode} | {r['steps']} | {r['new_shapes']} | {r['decode_ms']:.1f}"
-        print(f"{head} | {cells} |", flush=True)
+    engines: dict[str, _Engine] = {}
+    for _ in range(args.rounds):  # each round runs every configuration once, in order
+        for config in args.configs.split(","):
+            drafter, mode = config.split(":")
+            if config not in engines:
+                engines[config] = _engine(model, prompts, drafter, mode, args)
+            r = phases(engines[config], drafter, mode)
+            rows.append(r)
+            cells = " | ".join(f"{r['ms_per_step'][k]:.2f}" for k in PHASES)
+            head = f"| {drafter} | {mode} | {r['steps']} | {r['new_shapes']} | {r['decode_ms']:.1f}"
+            print(f"{head} | {cells} |", flush=True)
+    if args.rounds > 1:
+        _summary(rows)
     if args.json:
         args.json.write_text(
             json.dumps(
                 {"command": vars(args) | {"model": str(args.model)}, "rows": rows}, default=str
             )
         )
+
+
+def _summary(rows: list[dict]) -> None:
+    """Per configuration: its runs' decode ms, median, and the median against plain decode's."""
+    by: dict[str, list[float]] = {}
+    for r in rows:
+        by.setdefault(f"{r['drafter']}:{r['mode']}", []).append(r["decode_ms"])
+    plain = statistics.median(by["plain:off"]) if "plain:off" in by else None
+    print("\n| configuration | decode ms, each round | median | vs plain (medians) |")
+    print("|---|---|---|---|")
+    for config, ms in by.items():
+        m = statistics.median(ms)
+        ratio = f"{plain / m:.2f}x" if plain else ""
+        print(f"| {config} | {', '.join(f'{x:.1f}' for x in ms)} | {m:.1f} | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@
 # c1, c2, p2, p4, c9, p3, r1; session 16: c1 and spec_phases runs, see PERFORMANCE.md).
 # Next lease (~1,200 s): c1 (move models/slotserve-demo.gguf out of the tree for c1 only;
 # .gpu_w may ride with .gpu_a there); c2 with LEASE_MODELS="qwen3.5-0.8b:f16" (~60 s); c9
-# with NS="1 8" GEN=128 and a plain run first and last (session 16: the host changed speed
-# between runs, so alternate what is compared); p2 with P2_TESTS=0 (llama.cpp's build);
+# with NS="1 8" GEN=128, two rounds alternating (session 16: the host changed speed
+# between runs; ~560 s for both N: give the call 590 s, or one N per call); p2 with P2_TESTS=0 (llama.cpp's build);
 # p3 with REPS=2 (the suite was not run in session 16; session 15's N = 8 read 1.29x of
 # llama.cpp, the target 1.3x).
 set -u
@@ -34,8 +34,8 @@ c4)
   tail -n 30 "$OUT/suite/gpu_suite.md" ;;
 c9)  # where a speculative round's time goes on the GPU, MTP's catch-up and chain apart
   for n in ${NS:-1 8}; do
-    timeout 200 python3 bench/spec_phases.py --model models/slotserve-demo.gguf --n $n --gen ${GEN:-64} \
-      --compile --precompile --configs plain:off,ngram:auto,mtp:on,mtp:auto,plain:off --trace \
+    timeout 280 python3 bench/spec_phases.py --model models/slotserve-demo.gguf --n $n --gen ${GEN:-64} \
+      --compile --precompile --configs plain:off,ngram:auto,mtp:on,mtp:auto --rounds 2 --trace \
       --json "$OUT/c9_phases_n$n.json" > "$OUT/c9_phases_n$n.md" 2>&1
     tail -n 6 "$OUT/c9_phases_n$n.md"
   done ;;
