@@ -55,8 +55,8 @@ acceptance rate alone.
   guess the depth was chosen by, or for a width's first plain step the nearest
   width's — is left out, unless the same width and depth stalls again at its
   next sample (then it is what the depth costs); a sample under a quarter of its
-  entry replaces it. The very first plain step, with nothing to judge it by, is
-  followed by another. On the H200 the warm-up steps after start fed the table
+  entry replaces it. The controller's very first step, with nothing to judge it
+  by, is followed by a plain one. On the H200 the warm-up steps after start fed the table
   plain steps of 3.9 s and drafts of 65 ms and 2.1 s where steady ones took
   2-6 ms (shapes precompiled and no forward cold: kernels the device built at
   first use, say); taken as they came, one barred MTP at N = 8 for good, another
@@ -148,7 +148,6 @@ class CostController:
     _waits: dict[tuple[int, int], int] = field(default_factory=dict)  # (width, depth) -> steps
     stalls: int = 0  # samples left out as stalls
     _stalled: set[tuple[int, int]] = field(default_factory=set)  # (width, depth): last a stall
-    _unjudged: set[int] = field(default_factory=set)  # widths whose plain step stands alone
 
     def rate(self, slot: SlotId, drafter: str) -> float:
         """Estimated chance that the slot's next draft token from `drafter` is accepted."""
@@ -187,7 +186,8 @@ class CostController:
             for w, t in self.seconds.items()
             if w != width and 0 in t and len(t) > 1 and w <= 2 * width and width <= 2 * w
         ]
-        return min(near, key=lambda w: (abs(w - width), -w), default=width)
+        nearest = _nearest(width, near)
+        return width if nearest is None else nearest
 
     def _reach(self, width: int, source: int) -> int:
         """The deepest draft a step of `width` may try: one past the deepest the width whose
@@ -234,8 +234,9 @@ class CostController:
         self._doubt_stale(width)
         ks = [o.cap if o.mode == "on" else 0 for o in offers]
         auto = [i for i, o in enumerate(offers) if o.mode == "auto" and o.cap > 0]
-        stale = self._age(width, 0) >= self.remeasure_every or width in self._unjudged
-        stale = stale and not any(ks)
+        # the controller's very first step had nothing to judge it by (a stall?): plain again
+        first = len(self._steps) == 1 and self._steps.get(width) == 1
+        stale = (first or self._age(width, 0) >= self.remeasure_every) and not any(ks)
         if auto and 0 in self.seconds.get(width, {}) and not stale:
             ks = self._deepen(offers, ks, auto)
         for i in auto:
@@ -278,10 +279,6 @@ class CostController:
             self.stalls += 1
             return
         self._stalled.discard((width, depth))  # (twice in a row: what it costs)
-        if expected is None and not depth:  # nothing to judge it by: plain runs again next
-            self._unjudged.add(width)
-        elif not depth:
-            self._unjudged.discard(width)
         table = self.seconds.setdefault(width, {})
         old = table.get(depth)
         if old is not None and seconds < old / 4:  # the entry was a stall (or a guess): gone
@@ -309,11 +306,8 @@ class CostController:
         guess = self.predict(width, depth)
         if guess is not None or depth:
             return guess
-        plain = [w for w, t in self.seconds.items() if 0 in t]
-        if not plain:
-            return None
-        near = min(plain, key=lambda w: (abs(w - width), -w))
-        return self.seconds[near][0] * max(1.0, width / near)
+        near = _nearest(width, [w for w, t in self.seconds.items() if 0 in t])
+        return None if near is None else self.seconds[near][0] * max(1.0, width / near)
 
     def observe_round(self, slot: SlotId, drafter: str, drafted: int, accepted: int) -> None:
         """A verify round of the slot accepted `accepted` of `drafted` tokens from `drafter`."""
@@ -324,6 +318,11 @@ class CostController:
         """The slot's request ended: its acceptance history does not carry over."""
         for key in [k for k in self._rates if k[0] == slot]:
             del self._rates[key]
+
+
+def _nearest(width: int, widths: Sequence[int]) -> int | None:
+    """The width of `widths` nearest `width` (the wider on a tie); None if there is none."""
+    return min(widths, key=lambda w: (abs(w - width), -w), default=None)
 
 
 def _interpolate(table: dict[int, float], depth: int) -> float:

@@ -173,11 +173,8 @@ class _Plan:
     length: int  # the slot's trunk length when planned
 
 
-_PLAIN = _Plan("", NO_DRAFT, -1)
-_UNDRAFTED = (
-    "",
-    NO_DRAFT,
-)  # a slot no drafter drafted for this step  # every slot's plan in a step without drafters
+_PLAIN = _Plan("", NO_DRAFT, -1)  # every slot's plan in a step without drafters
+_UNDRAFTED = ("", NO_DRAFT)  # (drafter, draft) of a slot no drafter drafted for this step
 _slot_of = attrgetter("slot")  # (C calls per slot)
 _ARGMAX_ONLY = attrgetter("argmax_only")
 _params_of, _logprobs_of = attrgetter("params"), attrgetter("logprobs")
