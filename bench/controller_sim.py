@@ -18,7 +18,8 @@ import argparse
 import importlib.util
 import sys
 import timeit
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,19 +55,16 @@ class World:
         return self.base + fixed + self.per_depth * deepest + self.per_token * float(ks.sum())
 
 
-def steps_ms(world: World, rows: np.ndarray) -> list[tuple[float, bool]]:
-    """Each step's ms of a run's choices `[steps, width]`, and whether the speculator times
-    it (not a drafting step that catches up more than CAP + 1 steps of backlog)."""
-    out, gap = [], 0
-    for ks in rows:
-        ms, timed = world.step_ms(ks), True
-        if ks.max(initial=0):
-            if gap > CAP + 1 and world.catch_up:
-                ms, timed = ms + world.catch_up * gap, False
-            gap = 0
-        gap += 1
-        out.append((ms, timed))
-    return out
+def _step(world: World, ks: np.ndarray, gap: int) -> tuple[float, bool, int]:
+    """One step's ms, whether the speculator times it (not a drafting step that catches up
+    more than CAP + 1 steps of backlog), and the steps since the last drafting step after
+    it (`gap`: before it)."""
+    ms = world.step_ms(ks)
+    if not ks.max(initial=0):
+        return ms, True, gap + 1
+    if gap > CAP + 1 and world.catch_up:
+        return ms + world.catch_up * gap, False, 1
+    return ms, True, 1
 
 
 @dataclass
@@ -93,26 +91,31 @@ def run(ctrl: CostController, world: World, width: int, steps: int, seed: int = 
     rng = np.random.default_rng(seed)
     slots = [SlotId(i) for i in range(width)]
     chosen: list[np.ndarray] = []
-    gap = 0  # steps since the last drafting step
+    gap = 0
     for _ in range(steps):
         ks = np.array(ctrl.choose([Offer(s, "mtp", CAP) for s in slots]))
         for s, k in zip(slots, ks, strict=True):
             if k:
                 accepted = int(np.cumprod(rng.random(k) < world.alpha).sum())
                 ctrl.observe_round(s, "mtp", int(k), accepted)
-        drafting = bool(ks.max())
-        if not (drafting and gap > CAP + 1 and world.catch_up):  # (a catch-up: not timed)
-            ctrl.observe_step(width, int(ks.max()), world.step_ms(ks) / 1e3)
-        gap = 1 if drafting else gap + 1
+        ms, timed, gap = _step(world, ks, gap)
+        if timed:
+            ctrl.observe_step(width, int(ks.max()), ms / 1e3)
         chosen.append(ks)
     return np.array(chosen)
 
 
 def time_per_token(world: World, ks: np.ndarray) -> float:
-    """Expected ms per committed token of a run's choices `[steps, width]` in `world`."""
+    """Expected ms per committed token of a run's choices `[steps, width]` in `world`, judged
+    by its steady steps (a `Stalling` world's stall left out)."""
+    steady = World(**{f.name: getattr(world, f.name) for f in fields(World)})
     a = world.alpha
     tokens = sum(1 + sum(a**d for d in range(1, int(k) + 1)) for k in ks.ravel())
-    return sum(ms for ms, _ in steps_ms(world, ks)) / tokens
+    total, gap = 0.0, 0
+    for row in ks:
+        ms, _, gap = _step(steady, row, gap)
+        total += ms
+    return total / tokens
 
 
 FIXED = World(0.7, base=1.44, per_depth=0.1, per_round=1.5)
@@ -120,21 +123,31 @@ FIXED = World(0.7, base=1.44, per_depth=0.1, per_round=1.5)
 # 2.25 tokens a slot a round at K = 4 (a ~ 0.6); two untimed catch-ups of ~80 steps' backlog
 # seemed to cost ~10 ms each (by subtraction: a guess)
 MTP8 = World(0.6, base=1.4, per_depth=0.75, per_round=1.1)
-MTP8_CATCH_UP = World(0.6, base=1.4, per_depth=0.75, per_round=1.1, catch_up=0.1)
-SCENARIOS = [  # (name, world, width, steps)
-    ("dear: a draft of 1 costs 5 plain steps, of 4 17", World(0.6, per_depth=40.0), 8, 2000),
-    ("mid: a draft of 1 costs 1.9 plain steps", World(0.6, per_depth=9.0), 8, 2000),
-    ("fixed: a round adds 1.04 plain steps, depth 4 pays", FIXED, 8, 600),
-    ("fixed, one slot", FIXED, 1, 600),
-    ("fixed, its first draft of 4 stalls 2 s", "fixed-stall", 8, 600),
-    ("dear, its first step stalls 2 s", "dear-stall", 8, 2000),
-    ("MTP at N = 8 on the H200 (session 16)", MTP8, 8, 2000),
-    ("the same, catching up 0.1 ms a step of backlog", MTP8_CATCH_UP, 8, 2000),
+SCENARIOS: list[tuple[str, Callable[[], World], int, int]] = [  # (name, world, width, steps)
+    (
+        "dear: a draft of 1 costs 5 plain steps, of 4 17",
+        lambda: World(0.6, per_depth=40.0),
+        8,
+        2000,
+    ),
+    ("mid: a draft of 1 costs 1.9 plain steps", lambda: World(0.6, per_depth=9.0), 8, 2000),
+    ("fixed: a round adds 1.04 plain steps, depth 4 pays", lambda: FIXED, 8, 600),
+    ("fixed, one slot", lambda: FIXED, 1, 600),
+    (
+        "fixed, its first draft of 4 stalls 2 s",
+        lambda: Stalling(**asdict(FIXED), at=CAP),  # (made afresh for each run: it stalls once)
+        8,
+        600,
+    ),
+    ("dear, its first step stalls 2 s", lambda: Stalling(0.6, per_depth=40.0, at=0), 8, 2000),
+    ("MTP at N = 8 on the H200 (session 16)", lambda: MTP8, 8, 2000),
+    (
+        "the same, catching up 0.1 ms a step of backlog",
+        lambda: replace(MTP8, catch_up=0.1),
+        8,
+        2000,
+    ),
 ]
-STALLING = {  # (made afresh for each run: a world stalls once)
-    "fixed-stall": lambda: Stalling(0.7, base=1.44, per_depth=0.1, per_round=1.5, at=CAP),
-    "dear-stall": lambda: Stalling(0.6, per_depth=40.0, at=0),
-}
 
 
 def choose_us(width: int, module: Any = None, reps: int = 5) -> float:
@@ -194,16 +207,13 @@ def main() -> None:
     print()
     print("| world | width | steps that draft (by depth 1-4) | ms/token vs plain | vs best depth |")
     print("|---|---|---|---|---|")
-    for name, made, width, steps in SCENARIOS:
-        w = STALLING[made]() if isinstance(made, str) else made
-        if isinstance(w, Stalling):  # judged by the steady world
-            w.stalled = True
+    for name, make, width, steps in SCENARIOS:
+        w = make()
         plain = time_per_token(w, np.zeros((1, width), dtype=int))
         best = min(time_per_token(w, np.full((1, width), k)) for k in range(CAP + 1))
         drafts, vs_plain, vs_best = [], [], []
         for seed in range(args.seeds):
-            if isinstance(made, str):
-                w = STALLING[made]()
+            w = make()
             ks = run(CostController(), w, width, steps, seed)
             deepest = ks.max(axis=1)
             drafts.append("/".join(str(int((deepest == d).sum())) for d in range(1, CAP + 1)))
