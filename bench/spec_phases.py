@@ -17,7 +17,8 @@ on the H200 was mostly that). `--uniform` forces uniform rows (the default of a 
 runner on a GPU) on any device. `--rounds R` times every configuration R times in turn, each
 engine kept warm, and adds each configuration's median: the H200's host changed speed between
 runs of one process (session 16: plain decode at N = 8 read 1.17 and 1.75 ms a step), so
-configurations compared should alternate.
+configurations compared should alternate. `--host-parts` adds the speculator's host work by
+part (session 16: what "auto", the daemon's default, costs a step where nothing drafts).
 
     python bench/spec_phases.py --model models/slotserve-demo.gguf [--ids IDS] --n 8 --compile
 """
@@ -43,14 +44,21 @@ from engine.spec.offline import Request, generate
 
 CONFIGS = [("plain", "off"), ("ngram", "on"), ("ngram", "auto"), ("mtp", "on"), ("mtp", "auto")]
 PHASES = ("plan", "catch-up", "chain", "chain wait", "step", "resolve", "rollback")
+# `--host-parts`: inside the plan, the offers, the controller's choice and the drafters'
+# calls; inside the resolve, sampling and the drafters' commits
+HOST_PARTS = ("offers", "choose", "drafters", "sample", "commits")
+
+
+def _phases(args: Any) -> tuple[str, ...]:
+    return PHASES + HOST_PARTS if args.host_parts else PHASES
 
 
 class _EvalTimed:
-    """BENCHMARK ONLY: `mlx.core` as `engine.runner` sees it, its `eval` timed into
-    `spent[label]` while `on` (set by `_waits_timed` for the length of a call)."""
+    """BENCHMARK ONLY: `mlx.core` as `engine.runner` sees it for the length of one call
+    (`_waits_timed`), its `eval` timed into `spent[label]`."""
 
     def __init__(self, spent: dict[str, float], label: str) -> None:
-        self.spent, self.label, self.on = spent, label, False
+        self.spent, self.label = spent, label
 
     def __getattr__(self, name: str) -> Any:
         return getattr(mx, name)
@@ -58,19 +66,19 @@ class _EvalTimed:
     def eval(self, *arrays: Any) -> None:
         t = time.perf_counter()
         mx.eval(*arrays)
-        if self.on:
-            self.spent[self.label] = self.spent.get(self.label, 0.0) + time.perf_counter() - t
+        self.spent[self.label] = self.spent.get(self.label, 0.0) + time.perf_counter() - t
 
 
-def _waits_timed(proxy: _EvalTimed, f: Any) -> Any:
-    """`f`, with `proxy` timing the evaluations made inside each call."""
+def _waits_timed(f: Any, spent: dict[str, float], label: str) -> Any:
+    """`f`, the evaluations `engine.runner` makes inside each call timed into `spent[label]`."""
+    proxy = _EvalTimed(spent, label)
 
     def timed(*args: Any, **kwargs: Any) -> Any:
-        proxy.on = True
+        engine.runner.mx = proxy  # type: ignore[assignment]
         try:
             return f(*args, **kwargs)
         finally:
-            proxy.on = False
+            engine.runner.mx = mx  # type: ignore[assignment]
 
     return timed
 
@@ -101,7 +109,6 @@ class _Engine:
     requests: list[Request]
     spent: dict[str, float]
     trace: list[list[object]]
-    proxy: _EvalTimed
 
 
 def _engine(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: Any) -> _Engine:
@@ -127,27 +134,31 @@ def _engine(model: Any, prompts: list[list[int]], drafter: str, mode: str, args:
     harness.time_calls(runner, "step", spent, "step", decode_step)
     # inside the chain: its wait for the device (the catch-up's work and the chain's own),
     # the rest being the host's building of both
-    proxy = _EvalTimed(spent, "chain wait")
-    runner.draft_chain = _waits_timed(proxy, runner.draft_chain)  # type: ignore[method-assign]
+    runner.draft_chain = _waits_timed(runner.draft_chain, spent, "chain wait")
     harness.time_calls(spec, "resolve", spent, "resolve")
     harness.time_calls(pool, "rollback_many", spent, "rollback")
+    if args.host_parts:  # (a wrapper per slot per step: it costs the steps some time)
+        for owner, name, label in [
+            (spec, "_offer", "offers"),
+            (spec.controller, "choose", "choose"),
+            *[(d, "draft", "drafters") for d in spec.drafters],
+            (spec, "_plain", "sample"),
+            (spec, "_commit", "commits"),
+        ]:
+            harness.time_calls(owner, name, spent, label)
     trace: list[list[object]] = []
     if args.trace:
         _trace(spec.controller, trace)
-    return _Engine(spec, requests, spent, trace, proxy)
+    return _Engine(spec, requests, spent, trace)
 
 
-def phases(e: _Engine, drafter: str, mode: str) -> dict:
+def phases(e: _Engine, drafter: str, mode: str, args: Any) -> dict:
     """ms per decode step by phase for one timed run of a configuration's engine."""
     e.spent.clear()
     e.trace.clear()
     runner = e.spec.runner
-    engine.runner.mx = e.proxy  # type: ignore[assignment]
     cold = runner.cold_steps
-    try:
-        run = generate(e.spec, e.requests)
-    finally:
-        engine.runner.mx = mx  # type: ignore[assignment]
+    run = generate(e.spec, e.requests)
     steps = max(run.steps, 1)
     return {
         "drafter": drafter,
@@ -155,7 +166,7 @@ def phases(e: _Engine, drafter: str, mode: str) -> dict:
         "steps": run.steps,
         "decode_ms": 1000 * run.decode_s,
         "new_shapes": runner.cold_steps - cold,
-        "ms_per_step": {k: 1000 * e.spent.get(k, 0.0) / steps for k in PHASES},
+        "ms_per_step": {k: 1000 * e.spent.get(k, 0.0) / steps for k in _phases(args)},
         "controller": {
             str(w): {str(d): 1000 * s for d, s in t.items()}
             for w, t in e.spec.controller.seconds.items()
@@ -196,6 +207,12 @@ def main() -> None:
     p.add_argument(
         "--trace", action="store_true", help="the controller's choices and samples, into --json"
     )
+    p.add_argument(
+        "--host-parts",
+        action="store_true",
+        help="the speculator's host work by part too (offers, choice, drafters, sampling, "
+        "commits): what 'auto' adds to a step where nothing drafts shows against plain:off",
+    )
     args = p.parse_args()
     model = load_model(args.model)
     if args.ids is not None:
@@ -208,19 +225,19 @@ def main() -> None:
     )
     print(
         "| drafter | mode | steps | new shapes | decode ms | "
-        + " | ".join(f"{k} ms/step" for k in PHASES)
+        + " | ".join(f"{k} ms/step" for k in _phases(args))
         + " |"
     )
-    print("|---|---|---|---|---|" + "---|" * len(PHASES))
+    print("|---|---|---|---|---|" + "---|" * len(_phases(args)))
     engines: dict[str, _Engine] = {}
     for _ in range(args.rounds):  # each round runs every configuration once, in order
         for config in args.configs.split(","):
             drafter, mode = config.split(":")
             if config not in engines:
                 engines[config] = _engine(model, prompts, drafter, mode, args)
-            r = phases(engines[config], drafter, mode)
+            r = phases(engines[config], drafter, mode, args)
             rows.append(r)
-            cells = " | ".join(f"{r['ms_per_step'][k]:.2f}" for k in PHASES)
+            cells = " | ".join(f"{r['ms_per_step'][k]:.2f}" for k in _phases(args))
             head = f"| {drafter} | {mode} | {r['steps']} | {r['new_shapes']} | {r['decode_ms']:.1f}"
             print(f"{head} | {cells} |", flush=True)
     if args.rounds > 1:
