@@ -46,8 +46,10 @@ class World:
     per_token: float = 0.0
     per_round: float = 0.0
     # ms a step of backlog costs the first drafting step after more than CAP + 1 steps
-    # without one (the MTP head catching up; the speculator does not time that step)
+    # without one (the MTP head catching up; the speculator does not time that step, only
+    # charges it to the controller's credit)
     catch_up: float = 0.0
+    prompt: int = 0  # the backlog before the first step (a prompt the head has not seen)
 
     def step_ms(self, ks: np.ndarray) -> float:
         deepest = float(ks.max(initial=0))
@@ -91,7 +93,8 @@ def run(ctrl: CostController, world: World, width: int, steps: int, seed: int = 
     rng = np.random.default_rng(seed)
     slots = [SlotId(i) for i in range(width)]
     chosen: list[np.ndarray] = []
-    gap = 0
+    gap = world.prompt
+    charge = getattr(ctrl, "charge", None)  # (a tree from before the credit has none)
     for _ in range(steps):
         ks = np.array(ctrl.choose([Offer(s, "mtp", CAP) for s in slots]))
         for s, k in zip(slots, ks, strict=True):
@@ -101,17 +104,20 @@ def run(ctrl: CostController, world: World, width: int, steps: int, seed: int = 
         ms, timed, gap = _step(world, ks, gap)
         if timed:
             ctrl.observe_step(width, int(ks.max()), ms / 1e3)
+        elif charge is not None:
+            charge(width, int(ks.max()), ms / 1e3)
         chosen.append(ks)
     return np.array(chosen)
 
 
-def time_per_token(world: World, ks: np.ndarray) -> float:
+def time_per_token(world: World, ks: np.ndarray, gap: int = 0) -> float:
     """Expected ms per committed token of a run's choices `[steps, width]` in `world`, judged
-    by its steady steps (a `Stalling` world's stall left out)."""
+    by its steady steps (a `Stalling` world's stall left out); `gap`: the backlog before the
+    first (`world.prompt` for a whole run)."""
     steady = World(**{f.name: getattr(world, f.name) for f in fields(World)})
     a = world.alpha
     tokens = sum(1 + sum(a**d for d in range(1, int(k) + 1)) for k in ks.ravel())
-    total, gap = 0.0, 0
+    total = 0.0
     for row in ks:
         ms, _, gap = _step(steady, row, gap)
         total += ms
@@ -123,7 +129,10 @@ FIXED = World(0.7, base=1.44, per_depth=0.1, per_round=1.5)
 # 2.25 tokens a slot a round at K = 4 (a ~ 0.6); two untimed catch-ups of ~80 steps' backlog
 # seemed to cost ~10 ms each (by subtraction: a guess)
 MTP8 = World(0.6, base=1.4, per_depth=0.75, per_round=1.1)
-SCENARIOS: list[tuple[str, Callable[[], World], int, int]] = [  # (name, world, width, steps)
+# (name, world, width, steps); a run of at most SHORT steps is judged whole (no --skip), its
+# first drafting step catching up on the world's prompt
+SHORT = 256
+SCENARIOS: list[tuple[str, Callable[[], World], int, int]] = [
     (
         "dear: a draft of 1 costs 5 plain steps, of 4 17",
         lambda: World(0.6, per_depth=40.0),
@@ -147,20 +156,33 @@ SCENARIOS: list[tuple[str, Callable[[], World], int, int]] = [  # (name, world, 
         8,
         2000,
     ),
+    (
+        "the same, 128 steps after a 64-token prompt (spec_phases' runs)",
+        lambda: replace(MTP8, catch_up=0.1, prompt=64),
+        8,
+        128,
+    ),
+    (
+        "fixed, one slot, 128 steps after a 64-token prompt",
+        lambda: replace(FIXED, catch_up=0.02, prompt=64),
+        1,
+        128,
+    ),
 ]
 
 
 def choose_us(width: int, module: Any = None, reps: int = 5) -> float:
     """Microseconds of one `choose` for `width` "auto" slots, the per-step host cost of the
     controller: every narrower width has measured plain decode and a draft of 1, this one
-    plain decode only (it borrows a neighbour's costs). `module`: the controller's module
-    (default: this tree's)."""
+    plain decode only (it borrows a neighbour's costs), and the credit for re-tries is not
+    spent. `module`: the controller's module (default: this tree's)."""
     m = module or sys.modules[CostController.__module__]
     ctrl = m.CostController()
     for w in range(1, width):
         ctrl.observe_step(w, 0, 0.010)
         ctrl.observe_step(w, 1, 0.030)
     ctrl.observe_step(width, 0, 0.010)
+    ctrl.credit = 0.0  # (the drafts above spent it: a step after a plain one would skip)
     offers = [m.Offer(SlotId(i), "mtp", CAP) for i in range(width)]
     number = max(10, 2000 // width)
     times = timeit.repeat(lambda: ctrl.choose(offers), number=number, repeat=reps)
@@ -212,13 +234,15 @@ def main() -> None:
         plain = time_per_token(w, np.zeros((1, width), dtype=int))
         best = min(time_per_token(w, np.full((1, width), k)) for k in range(CAP + 1))
         drafts, vs_plain, vs_best = [], [], []
+        skip = 0 if steps <= SHORT else args.skip
         for seed in range(args.seeds):
             w = make()
             ks = run(CostController(), w, width, steps, seed)
             deepest = ks.max(axis=1)
             drafts.append("/".join(str(int((deepest == d).sum())) for d in range(1, CAP + 1)))
-            vs_plain.append(time_per_token(w, ks[args.skip :]) / plain)
-            vs_best.append(time_per_token(w, ks[args.skip :]) / best)
+            mine = time_per_token(w, ks[skip:], w.prompt if not skip else 0)
+            vs_plain.append(mine / plain)
+            vs_best.append(mine / best)
         print(
             f"| {name} | {width} | {', '.join(drafts)} | "
             f"{', '.join(f'{r:.3f}' for r in vs_plain)} | {', '.join(f'{r:.3f}' for r in vs_best)} |"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -111,10 +112,15 @@ class _Engine:
     trace: list[list[object]]
 
 
-def _engine(model: Any, prompts: list[list[int]], drafter: str, mode: str, args: Any) -> _Engine:
-    """Build one configuration's engine, run its `args.warmup` untimed runs, hook its phases."""
+def _engine(
+    model: Any, prompts: list[list[int]], drafter: str, mode: str, args: Any, free: bool = False
+) -> _Engine:
+    """Build one configuration's engine, run its `args.warmup` untimed runs, hook its phases.
+    `free`: the controller's credit for re-tries never runs out (as before session 17)."""
     K = args.k
     spec = speculator(model, drafter, prompts, args, None)  # (spec_decode's engine)
+    if free:  # BENCHMARK ONLY: an infinite earning keeps the credit infinite
+        spec.controller.explore = math.inf
     runner, pool = spec.runner, spec.runner.pool
     if args.uniform:  # a GPU's default row shapes, on any device
         spec.use_uniform_shapes(True)
@@ -152,17 +158,21 @@ def _engine(model: Any, prompts: list[list[int]], drafter: str, mode: str, args:
     return _Engine(spec, requests, spent, trace)
 
 
-def phases(e: _Engine, drafter: str, mode: str, args: Any) -> dict:
+def phases(e: _Engine, config: str, args: Any) -> dict:
     """ms per decode step by phase for one timed run of a configuration's engine."""
     e.spent.clear()
     e.trace.clear()
-    runner = e.spec.runner
-    cold = runner.cold_steps
+    runner, ctrl = e.spec.runner, e.spec.controller
+    cold, held = runner.cold_steps, ctrl.held
     run = generate(e.spec, e.requests)
     steps = max(run.steps, 1)
+    drafter, mode, *_ = config.split(":")
     return {
+        "config": config,
         "drafter": drafter,
         "mode": mode,
+        "held": ctrl.held - held,  # steps the spent credit kept plain
+        "credit_ms": 1000 * ctrl.credit,  # after the run
         "steps": run.steps,
         "decode_ms": 1000 * run.decode_s,
         "new_shapes": runner.cold_steps - cold,
@@ -195,7 +205,12 @@ def main() -> None:
         action="store_true",
         help="with --compile: every steady shape compiled first (the daemon's precompile = all)",
     )
-    p.add_argument("--configs", default=",".join(f"{d}:{m}" for d, m in CONFIGS))
+    p.add_argument(
+        "--configs",
+        default=",".join(f"{d}:{m}" for d, m in CONFIGS),
+        help="drafter:mode[:free], comma-separated; 'free': the controller's credit for "
+        "re-tries never runs out (the controller as before session 17)",
+    )
     p.add_argument(
         "--rounds",
         type=int,
@@ -232,12 +247,15 @@ def main() -> None:
     engines: dict[str, _Engine] = {}
     for _ in range(args.rounds):  # each round runs every configuration once, in order
         for config in args.configs.split(","):
-            drafter, mode = config.split(":")
+            drafter, mode, *opts = config.split(":")
+            if opts not in ([], ["free"]):
+                p.error(f"{config}: a configuration is drafter:mode[:free]")
             if config not in engines:
-                engines[config] = _engine(model, prompts, drafter, mode, args)
-            r = phases(engines[config], drafter, mode, args)
+                engines[config] = _engine(model, prompts, drafter, mode, args, opts == ["free"])
+            r = phases(engines[config], config, args)
             rows.append(r)
             cells = " | ".join(f"{r['ms_per_step'][k]:.2f}" for k in _phases(args))
+            mode = ", ".join([mode, *opts])
             head = f"| {drafter} | {mode} | {r['steps']} | {r['new_shapes']} | {r['decode_ms']:.1f}"
             print(f"{head} | {cells} |", flush=True)
     if args.rounds > 1:
@@ -254,7 +272,7 @@ def _summary(rows: list[dict]) -> None:
     """Per configuration: its runs' decode ms, median, and the median against plain decode's."""
     by: dict[str, list[float]] = {}
     for r in rows:
-        by.setdefault(f"{r['drafter']}:{r['mode']}", []).append(r["decode_ms"])
+        by.setdefault(r["config"], []).append(r["decode_ms"])
     plain = statistics.median(by["plain:off"]) if "plain:off" in by else None
     print("\n| configuration | decode ms, each round | median | vs plain (medians) |")
     print("|---|---|---|---|")

@@ -331,18 +331,23 @@ def test_penalties_see_each_verified_positions_own_history(model: Model) -> None
 
 def test_a_drafter_catching_up_on_its_backlog_is_not_timed(model: Model) -> None:
     """The first MTP round feeds the head the whole prompt: that step says nothing of what
-    drafting costs, so the controller must not see it; the steady rounds after it, it must."""
+    drafting costs, so the controller's table must not see it (its credit for re-tries
+    must); the steady rounds after it, it must."""
     spec = speculator(model, "mtp", 1)
     timed: list[int] = []
-    observe = spec.controller.observe_step
+    charged: list[int] = []
+    observe, charge = spec.controller.observe_step, spec.controller.charge
     spec.controller.observe_step = lambda w, depth, s: (timed.append(depth), observe(w, depth, s))  # type: ignore[method-assign]
+    spec.controller.charge = lambda w, depth, s: (charged.append(depth), charge(w, depth, s))  # type: ignore[method-assign]
     prompt = list(range(1, 21))  # 20 tokens: far more than a steady round's K + 1
     run = generate(spec, [Request(prompt, 8, GREEDY, speculation="on")])
     steps = run.stats[0].steps
     assert steps >= 3
     # every step drafts ("on") until the last, which has no room left; the first one
-    # caught up on the prompt and is the one not timed
+    # caught up on the prompt and is the one not timed — but charged to the credit for
+    # re-tries (as every timed step is, through `observe_step`)
     assert len(timed) == steps - 1 and timed[0] > 0 and timed[-1] == 0
+    assert len(charged) == steps and charged[0] > 0
 
 
 def test_a_cycle_that_compiled_a_new_batch_shape_is_not_timed(model: Model) -> None:

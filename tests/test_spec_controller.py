@@ -247,3 +247,86 @@ def test_a_stalled_first_step_does_not_make_drafting_look_free() -> None:
     ks = run(CostController(), world, width=8, steps=400)
     assert world.stalled
     assert (ks[-300:] > 0).mean() < 0.05
+
+
+def test_re_tries_after_plain_stretches_are_paid_for_by_the_credit() -> None:
+    """MTP at N = 8 on the H200 (session 16): no depth pays, and a re-try's first step also
+    catches the head up on the whole plain stretch (untimed, charged). Slots' rates fade back
+    up every few dozen steps; each re-try must wait until the credit (5% of the time) has
+    paid for the last: before the credit, 24-28 drafting steps in 1,000 and 1.165x plain
+    decode's time per token."""
+    world = World(alpha=0.6, base=1.4, per_depth=0.75, per_round=1.1, catch_up=0.2)
+    plain = time_per_token(world, np.zeros((1, 8), dtype=int))
+    for seed in range(3):
+        ctrl = CostController()
+        ks = run(ctrl, world, width=8, steps=1000, seed=seed)
+        assert (ks.max(axis=1) > 0).sum() <= 12
+        assert time_per_token(world, ks) < 1.15 * plain
+        assert ctrl.held > 900 and ctrl.credit < 0
+
+
+def test_the_credit_holds_back_nothing_where_drafting_pays() -> None:
+    """A round that pays at depth 4 earns credit: the run drafts exactly as without it."""
+    world = World(alpha=0.7, base=1.44, per_depth=0.1, per_round=1.5)
+    ctrl = CostController()
+    ks = run(ctrl, world, width=8, steps=600)
+    assert ctrl.held == 0 and ctrl.credit > 0
+    assert (ks.max(axis=1) == CAP).sum() == 586  # as before the credit (plain: re-measures)
+
+
+def test_a_step_after_a_plain_one_drafts_only_on_credit() -> None:
+    """Spent credit keeps a step after a plain one plain; a step after a drafting one goes
+    by the depths and rates alone; "on" slots draft whatever the credit, and their rounds
+    are not charged."""
+    offers = [Offer(SlotId(i), "mtp", CAP) for i in range(2)]
+    ctrl = CostController()
+    ctrl.observe_step(2, 0, 0.010)
+    ctrl.observe_step(2, 0, 0.010)  # the first step's plain follow-up
+    ctrl.credit = -1e-3
+    assert ctrl.choose(offers) == [0, 0] and ctrl.held == 1
+    ctrl.credit = 0.0
+    assert max(ctrl.choose(offers)) == 1  # a probe, priced as plain decode
+    ctrl.observe_round(SlotId(0), "mtp", 1, 0)
+    ctrl.observe_round(SlotId(1), "mtp", 1, 1)  # 3 tokens, where plain commits 2 a step
+    ctrl.observe_step(2, 1, 0.020)
+    # regret: 20 ms against 10 x 1.5; earned: 5% of 20 ms
+    assert ctrl.credit == pytest.approx(-(0.020 - 0.015) + 0.05 * 0.020)
+    assert max(ctrl.choose(offers)) >= 1 and ctrl.held == 1  # drafting goes on
+    ctrl.observe_step(2, 1, 0.012)
+    ctrl.credit = -1e-3
+    on = [Offer(SlotId(0), "mtp", CAP, "on"), Offer(SlotId(1), "mtp", CAP)]
+    ctrl._drafting = False
+    assert ctrl.choose(on) == [CAP, 0]  # the "auto" slot waits; the "on" slot drafts
+    ctrl.observe_round(SlotId(0), "mtp", CAP, 0)
+    ctrl.observe_step(2, CAP, 0.050)
+    assert ctrl.credit == -1e-3  # not charged
+
+
+@pytest.mark.parametrize("width", [1, 3, 8, 32])
+def test_the_narrow_and_the_wide_tabulation_choose_alike(width: int) -> None:
+    """`_deepen` tabulates in Python up to `NARROW` slots and in numpy above: the same
+    choices from the same tables, rates, caps and modes."""
+    rng = np.random.default_rng(width)
+    for _ in range(200):
+        ctrl = CostController()
+        plain = float(rng.uniform(0.001, 0.01))
+        ctrl.observe_step(width, 0, plain)
+        for d in rng.choice(
+            np.arange(1, CAP + 1), size=int(rng.integers(0, CAP + 1)), replace=False
+        ):
+            ctrl.observe_step(width, int(d), plain * float(rng.uniform(1.0, 4.0)))
+        offers = []
+        for i in range(width):
+            slot = SlotId(i)
+            for _ in range(int(rng.integers(0, 6))):
+                k = int(rng.integers(1, CAP + 1))
+                ctrl.observe_round(slot, "mtp", k, int(rng.integers(0, k + 1)))
+            mode = str(rng.choice(["auto", "auto", "auto", "on", "off"]))
+            offers.append(Offer(slot, "mtp", int(rng.integers(0, CAP + 1)), mode))
+        ks = [o.cap if o.mode == "on" else 0 for o in offers]
+        auto = [i for i, o in enumerate(offers) if o.mode == "auto" and o.cap > 0]
+        if not auto:
+            continue
+        narrow = ctrl._deepen_narrow(offers, ks, auto)
+        ctrl.NARROW = 0
+        assert ctrl._deepen(offers, ks, auto) == narrow

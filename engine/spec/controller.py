@@ -51,6 +51,22 @@ acceptance rate alone.
   process on the device; the speculator already leaves out a drafter's catch-up
   and a step that compiled a new batch shape — so does not bar a depth for good,
   while a dear depth is re-tried ever more rarely, and at its cheapest.
+* Exploration credit: drafting that resumes after a plain stretch — a rate faded back
+  up, a doubted depth re-tried — is what "auto" pays to find out whether drafting pays
+  again, and where it does not it is all loss: on the H200 at N = 8 (MTP, demo model)
+  every re-try cost 3-4 plain steps, its first step also catching the head up on the
+  whole stretch (an untimed step of ~8 ms), and re-tries every few dozen steps left
+  "auto" at 0.81x plain decode. So every step observed is charged its regret against a
+  credit — a drafting step what it took beyond what plain decode would have taken for
+  the tokens it committed (the width's plain step x (1 + accepted / width); negative
+  where drafting paid), a plain step nothing — and every step earns `explore` (5%) of
+  its time. A step may start drafting after a plain one only while the credit is not
+  below zero; a step after a drafting one is not held back (the depths and rates judge
+  it). The credit is held within +-`credit_steps` plain steps' earnings: a long run of
+  paying drafts does not fund a long run of losing re-tries, nor one costly step bar
+  drafting for longer than that. So where drafting never pays, re-tries lose at most
+  about `explore` of the time; where it pays, the credit stays up and nothing waits.
+  Steps with "on" slots drafting are not charged (their drafts are not a choice).
 * Stalls: a sample over `stall` (8) times what was expected — the entry, the
   guess the depth was chosen by, or for a width's first plain step the nearest
   width's — is left out, unless the same width and depth stalls again at its
@@ -136,6 +152,13 @@ class CostController:
     idle_decay: float = 0.98
     remeasure_every: int = 64
     stall: float = 8.0  # a sample this many times what was expected is a stall, unless repeated
+    explore: float = 0.05  # share of every step's time earned as credit for re-tries
+    credit_steps: float = 512.0  # the credit's bound: what this many plain steps earn
+    credit: float = 0.0  # seconds re-tries may still lose (see the module docstring)
+    held: int = 0  # steps kept plain for want of credit
+    _accepted: int = 0  # draft tokens the rounds of the step chosen last accepted so far
+    _drafting: bool = False  # the step chosen last drafted on an "auto" slot
+    _charged: bool = True  # whether the step chosen last is charged (no "on" slot drafted)
     seconds: dict[int, dict[int, float]] = field(default_factory=dict)  # width -> depth -> s
     _rates: dict[tuple[SlotId, str], _Rate] = field(default_factory=dict)
     _pooled: dict[str, _Rate] = field(default_factory=dict)  # per drafter, all slots
@@ -237,18 +260,30 @@ class CostController:
         # the controller's very first step had nothing to judge it by (a stall?): plain again
         first = len(self._steps) == 1 and self._steps.get(width) == 1
         stale = (first or self._age(width, 0) >= self.remeasure_every) and not any(ks)
+        self._accepted, self._charged = 0, not any(ks)
         if auto and 0 in self.seconds.get(width, {}) and not stale:
-            ks = self._deepen(offers, ks, auto)
+            if self._drafting or self.credit >= 0:
+                ks = self._deepen(offers, ks, auto)
+            else:  # a re-try after a plain stretch, with the credit spent: plain
+                self.held += 1
+        self._drafting = False
         for i in auto:
             if ks[i] == 0:
                 self._rate(offers[i].slot, offers[i].drafter).fade(self.idle_decay)
+            else:
+                self._drafting = True
         return ks
+
+    NARROW = 32  # widths up to this tabulate in Python: numpy's calls cost more on few slots
 
     def _deepen(self, offers: Sequence[Offer], ks: list[int], auto: list[int]) -> list[int]:
         """The depths with the most expected tokens per predicted second. Per step: O(slots)
         to read the rates and tabulate each slot's tokens at every depth, then a vector sum a
-        depth (Python per slot and depth cost ~4 ms a step at 1,024 slots)."""
+        depth (Python per slot and depth cost ~4 ms a step at 1,024 slots); up to `NARROW`
+        slots, plain Python (48 -> ~15 us at 8 slots)."""
         width = len(offers)
+        if width <= self.NARROW:
+            return self._deepen_narrow(offers, ks, auto)
         rates = np.array([self.rate(o.slot, o.drafter) for o in offers])
         caps = np.array([o.cap for o in offers])
         joining = np.array([i for i in auto if rates[i] >= self.min_rate], dtype=np.int64)
@@ -270,6 +305,36 @@ class CostController:
                 best, best_rate = trial, rate
         return [int(k) for k in best]
 
+    def _deepen_narrow(self, offers: Sequence[Offer], ks: list[int], auto: list[int]) -> list[int]:
+        """`_deepen` for a narrow batch: the same choice, tabulated in Python."""
+        width = len(offers)
+        rates = [self.rate(o.slot, o.drafter) for o in offers]
+        joining = [i for i in auto if rates[i] >= self.min_rate]
+        source = self._source(width)
+        deepest = max(max(ks), min(max(offers[i].cap for i in auto), self._reach(width, source)))
+        # committed[i][k]: slot i's expected tokens with k drafts, 1 + a + ... + a^k
+        committed = []
+        for a in rates:
+            row, term, total = [1.0], 1.0, 1.0
+            for _ in range(deepest):
+                term *= a
+                total += term
+                row.append(total)
+            committed.append(row)
+        best, best_rate = ks, -1.0
+        for depth in range(max(ks), deepest + 1):
+            trial = list(ks)
+            if depth:
+                for i in joining:
+                    trial[i] = min(depth, offers[i].cap)
+            seconds = self._predict(width, max(trial), source)
+            assert seconds is not None  # plain decode is measured, so every depth predicts
+            tokens = sum(row[k] for row, k in zip(committed, trial, strict=True))
+            rate = tokens / max(seconds, 1e-9)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = trial, rate
+        return best
+
     def observe_step(self, width: int, depth: int, seconds: float) -> None:
         """A step of `width` decoding slots whose deepest draft was `depth` took `seconds`."""
         expected = self._expected(width, depth)
@@ -278,6 +343,7 @@ class CostController:
             self._stalled.add((width, depth))
             self.stalls += 1
             return
+        self.charge(width, depth, seconds)
         self._stalled.discard((width, depth))  # (twice in a row: what it costs)
         table = self.seconds.setdefault(width, {})
         old = table.get(depth)
@@ -299,6 +365,19 @@ class CostController:
             self._measured_before[width, depth] = self._measured_at[width, depth]
         self._measured_at[width, depth] = self._steps[width]
 
+    def charge(self, width: int, depth: int, seconds: float) -> None:
+        """Charge a step of `width` slots whose deepest draft was `depth` against the credit
+        (`observe_step` does; the speculator calls it for a step it does not time because a
+        drafter caught up on a backlog in it): a drafting step its regret, every step its
+        earning. Unjudged without a plain step of the width to judge by."""
+        plain = self.seconds.get(width, {}).get(0)
+        if plain is None or not self._charged:
+            return
+        if depth:
+            self.credit -= seconds - plain * (1 + self._accepted / width)
+        bound = self.explore * self.credit_steps * plain
+        self.credit = max(-bound, min(bound, self.credit + self.explore * seconds))
+
     def _expected(self, width: int, depth: int) -> float | None:
         """What a step of `width` at `depth` should take, by what is known before it ran: its
         entry, or the guess it was chosen by (`predict`); for a width's first plain step,
@@ -313,6 +392,7 @@ class CostController:
         """A verify round of the slot accepted `accepted` of `drafted` tokens from `drafter`."""
         self._rate(slot, drafter).update(drafted, accepted, self.decay)
         self._pooled.setdefault(drafter, _Rate()).update(drafted, accepted, self.decay)
+        self._accepted += accepted
 
     def forget(self, slot: SlotId) -> None:
         """The slot's request ended: its acceptance history does not carry over."""

@@ -257,7 +257,8 @@ class Speculator:
         # a slot is released meanwhile.
         self._plain_slots: list[SlotId] | None = None
         self._plain_set: set[SlotId] | None = None
-        self._cycle: tuple[float, int, int] | None = None  # start, row tokens, depth
+        # start, row tokens, depth, and whether it is timed (else only charged)
+        self._cycle: tuple[float, int, int, bool] | None = None
         self._cold_at_plan = 0  # the runner's `cold_steps` when the cycle was planned
 
     # -- a slot's life -------------------------------------------------------------------
@@ -370,7 +371,7 @@ class Speculator:
                     self._plans[r.slot] = _Plan("", NO_DRAFT, r.start)
             else:  # no one reads a plain plan's length: one plan serves every slot
                 self._plain_slots = slots
-            self._cycle = (start, len(rows), 0)
+            self._cycle = (start, len(rows), 0, True)
             return rows
         lengths = [pool_lengths[d.slot] for d in decoding]
         offers = [self._offer(d, n) for d, n in zip(decoding, lengths, strict=True)]
@@ -409,9 +410,10 @@ class Speculator:
         depth = max((len(r.tokens) - 1 for r in rows), default=0)
         # A drafter that fed its model a long backlog this step (its first round after a
         # plain stretch catches up on every position since) made a step that says nothing
-        # of what drafting at this depth costs: it is not timed.
+        # of what drafting at this depth costs: it is not timed, only charged to the
+        # controller's credit for re-tries.
         steady = max((d.caught_up for d in self.drafters), default=0) <= self.max_draft + 1
-        self._cycle = (start, sum(len(r.tokens) for r in rows), depth) if steady else None
+        self._cycle = (start, sum(len(r.tokens) for r in rows), depth, steady)
         return rows
 
     def resolve(
@@ -647,12 +649,16 @@ class Speculator:
         """Time plan -> step -> resolve, unless other rows (prefill) shared the step."""
         if self._cycle is None:
             return
-        start, tokens, depth = self._cycle
+        start, tokens, depth, steady = self._cycle
         self._cycle = None
         # A cycle that compiled a new batch shape (its drafts' or its step's) timed MLX's
         # compiler, not the step: not observed.
         if self.runner.last_tokens == tokens and self.runner.cold_steps == self._cold_at_plan:
-            self.controller.observe_step(width, depth, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            if steady:
+                self.controller.observe_step(width, depth, seconds)
+            else:
+                self.controller.charge(width, depth, seconds)
 
 
 def _per_slot(rows: mx.array, ks: list[int]) -> mx.array:
