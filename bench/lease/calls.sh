@@ -9,7 +9,10 @@
 #   p1-p4                            session 14's plan (session 15 ran p2-p4; p1 never)
 # Calls already run are in git history (session 13: c3-c8; session 14: s1, s2; session 15:
 # c1, c2, p2, p4, c9, p3, r1; session 16: c1 and spec_phases runs, see PERFORMANCE.md).
-# Next lease (~1,200 s): c1 (move models/slotserve-demo.gguf out of the tree for c1 only;
+# Session 17 (~900 s): c1 (model out of the tree, .gpu_w with .gpu_a), then i9 (carry .gpu_b)
+# with NS=8 GEN=128 T=560 CONFIGS=plain:off,mtp:auto,mtp:auto:free,ngram:auto,ngram:auto:free
+# (the controller's credit against none, in one process), then c9 with NS=1, the same.
+# Session 16's plan (~1,200 s): c1 (move models/slotserve-demo.gguf out of the tree for c1 only;
 # .gpu_w may ride with .gpu_a there); c2 with LEASE_MODELS="qwen3.5-0.8b:f16" (~60 s); c9
 # with NS="1 8" GEN=128, two rounds alternating (session 16: the host changed speed
 # between runs; ~560 s for both N: give the call 590 s, or one N per call); p2 with P2_TESTS=0 (llama.cpp's build);
@@ -32,10 +35,13 @@ c4)
     --wheels .gpu_w/wheels --budget-s 400 --big-needs-s 150 --reps 1 --steps 32 --ahead \
     > "$OUT/c4_suite.log" 2>&1
   tail -n 30 "$OUT/suite/gpu_suite.md" ;;
+i9)  # session 17, after c1 (carry .gpu_b): MLX installed, then c9 in the same call
+  source .gpu_b/install-mlx-cuda.sh > "$OUT/i9_install.txt" 2>&1; tail -n 2 "$OUT/i9_install.txt"
+  bash "$0" c9 ;;
 c9)  # where a speculative round's time goes on the GPU, MTP's catch-up and chain apart
   for n in ${NS:-1 8}; do
-    timeout 280 python3 bench/spec_phases.py --model models/slotserve-demo.gguf --n $n --gen ${GEN:-64} \
-      --compile --precompile --configs plain:off,ngram:auto,mtp:on,mtp:auto --rounds 2 --trace \
+    timeout ${T:-280} python3 bench/spec_phases.py --model models/slotserve-demo.gguf --n $n --gen ${GEN:-64} \
+      --compile --precompile --configs ${CONFIGS:-plain:off,ngram:auto,mtp:on,mtp:auto} --rounds 2 --trace \
       --json "$OUT/c9_phases_n$n.json" > "$OUT/c9_phases_n$n.md" 2>&1
     tail -n 6 "$OUT/c9_phases_n$n.md"
   done ;;
