@@ -175,6 +175,9 @@ def phases(e: _Engine, config: str, args: Any) -> dict:
         "credit_ms": 1000 * ctrl.credit,  # after the run
         "steps": run.steps,
         "decode_ms": 1000 * run.decode_s,
+        # while every slot decoded (before the first request finished): a server's steady
+        # rate, which a fixed batch's makespan hides behind its slowest request
+        "busy_tok_s": run.busy_tokens / run.busy_s if run.busy_s else None,
         "new_shapes": runner.cold_steps - cold,
         "ms_per_step": {k: 1000 * e.spent.get(k, 0.0) / steps for k in _phases(args)},
         "controller": {
@@ -269,17 +272,30 @@ def main() -> None:
 
 
 def _summary(rows: list[dict]) -> None:
-    """Per configuration: its runs' decode ms, median, and the median against plain decode's."""
+    """Per configuration: its runs' decode ms, median, and the median against plain decode's;
+    the same for the rate while every slot decoded (`busy_tok_s`)."""
     by: dict[str, list[float]] = {}
+    busy: dict[str, list[float]] = {}
     for r in rows:
         by.setdefault(r["config"], []).append(r["decode_ms"])
+        if r.get("busy_tok_s"):
+            busy.setdefault(r["config"], []).append(r["busy_tok_s"])
     plain = statistics.median(by["plain:off"]) if "plain:off" in by else None
-    print("\n| configuration | decode ms, each round | median | vs plain (medians) |")
-    print("|---|---|---|---|")
+    plain_busy = statistics.median(busy["plain:off"]) if "plain:off" in busy else None
+    print(
+        "\n| configuration | decode ms, each round | median | vs plain (medians) "
+        "| busy tok/s, each round | busy vs plain (medians) |"
+    )
+    print("|---|---|---|---|---|---|")
     for config, ms in by.items():
         m = statistics.median(ms)
         ratio = f"{plain / m:.2f}x" if plain else ""
-        print(f"| {config} | {', '.join(f'{x:.1f}' for x in ms)} | {m:.1f} | {ratio} |")
+        b = busy.get(config, [])
+        b_ratio = f"{statistics.median(b) / plain_busy:.2f}x" if b and plain_busy else ""
+        print(
+            f"| {config} | {', '.join(f'{x:.1f}' for x in ms)} | {m:.1f} | {ratio} "
+            f"| {', '.join(f'{x:.0f}' for x in b)} | {b_ratio} |"
+        )
 
 
 if __name__ == "__main__":
