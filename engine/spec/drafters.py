@@ -343,7 +343,8 @@ class MTPDrafter(Drafter):
             return
         t.hidden.append(hidden)
         t.n += hidden.shape[0]
-        self.runner.pool.truncate_mtp(slot, t.start)
+        if self.runner.pool.mtp_lengths[slot] > t.start:  # a draft chain's provisional entries
+            self.runner.pool.truncate_mtp(slot, t.start)
 
     def release(self, slot: SlotId) -> None:
         self._tails.pop(slot, None)
@@ -359,6 +360,10 @@ class MTPDrafter(Drafter):
 
     def draft(self, jobs: Sequence[DraftJob]) -> list[Draft]:
         self.caught_up = 0
+        if not any(j.k for j in jobs) and not any(  # (checked first: the common step)
+            t.n >= self.max_backlog for t in self._tails.values()
+        ):
+            return [NO_DRAFT] * len(jobs)
         live = [i for i, j in enumerate(jobs) if self.available(j.d, j.length)]
         backlog = any(self._tails[jobs[i].d.slot].n >= self.max_backlog for i in live)
         if not any(jobs[i].k for i in live) and not backlog:

@@ -478,9 +478,11 @@ class Speculator:
             resolved = self._accept(decoding, plans, outputs, ks)
         else:
             resolved = self._plain(decoding, outputs, drawn)
-            if self.drafters:  # they follow the trunk
+            for d in self.drafters:  # they follow the trunk: each row's one position
+                follows = d.needs_hidden
                 for slot, plan, out in zip(slots, plans, outputs, strict=True):
-                    self._commit(slot, plan, out, 0, 0)
+                    if follows(slot):
+                        d.observe(slot, plan.length, out.hidden, out.taps)
         self._observe_cycle(len(decoding))
         return resolved
 
@@ -602,25 +604,26 @@ class Speculator:
 
     # -- internals -------------------------------------------------------------------------
     def _offer(self, d: DecodingSlot, length: int) -> Offer:
-        if d.speculation not in MODES:
-            raise SpecError(
-                f"slot {d.slot}: speculation must be one of {MODES}, not {d.speculation!r}"
-            )
-        limits = [self.max_draft, self.runner.pool.max_context - length - 1]
-        limits += [
-            x
-            for x in (d.max_draft, None if d.remaining is None else d.remaining - 1)
-            if x is not None
-        ]
-        cap = max(0, min(limits))
-        if cap == 0 or d.speculation == "off":
-            return Offer(d.slot, "", 0, d.speculation)
-        offers = [(x.name, min(cap, x.available(d, length))) for x in self.drafters]
-        offers = [o for o in offers if o[1] > 0]
-        if not offers:
-            return Offer(d.slot, "", 0, d.speculation)
-        name, depth = max(offers, key=lambda o: self.controller.rate(d.slot, o[0]))
-        return Offer(d.slot, name, depth, d.speculation)
+        """What the slot could draft this step. (Once per decoding slot per step, so it
+        compares in place of building lists: "auto"'s host work where nothing drafts.)"""
+        mode = d.speculation
+        if mode not in MODES:
+            raise SpecError(f"slot {d.slot}: speculation must be one of {MODES}, not {mode!r}")
+        cap = min(self.max_draft, self.runner.pool.max_context - length - 1)
+        if d.max_draft is not None and d.max_draft < cap:
+            cap = d.max_draft
+        if d.remaining is not None and d.remaining - 1 < cap:
+            cap = d.remaining - 1
+        if cap <= 0 or mode == "off":
+            return Offer(d.slot, "", 0, mode)
+        best, depth, rate = "", 0, -1.0
+        for x in self.drafters:
+            k = min(cap, x.available(d, length))
+            if k > 0:
+                r = self.controller.rate(d.slot, x.name) if len(self.drafters) > 1 else 0.0
+                if r > rate:  # the drafter it has done best with (the first on a tie)
+                    best, depth, rate = x.name, k, r
+        return Offer(d.slot, best, depth, mode)
 
     def _needs_hidden(self, slot: SlotId) -> bool:
         return any(d.needs_hidden(slot) for d in self.drafters)
