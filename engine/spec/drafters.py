@@ -189,6 +189,8 @@ class _NgramIndex:
     step appends; the history is append-only while a request decodes (a list that changed
     otherwise, or another list, is indexed anew)."""
 
+    FEW = 8  # new windows indexed one by one; more in C loops (a prompt's, say)
+
     def __init__(self, history: Sequence[int], lo: int, hi: int) -> None:
         self.history = history
         self.lo, self.hi = lo, hi
@@ -216,10 +218,14 @@ class _NgramIndex:
             return self.found
         for n in range(self.lo, self.hi + 1):  # windows that end before the last position
             start, stop = self.indexed[n], L - n
-            if stop > start:
+            if stop - start > self.FEW:
                 windows = zip(*(h[start + j : stop + j] for j in range(n)), strict=True)
                 self.starts[n].update(zip(windows, range(start, stop), strict=True))
-                self.indexed[n] = stop
+            else:  # a step's few new windows: slices of them, without zip's machinery
+                starts = self.starts[n]
+                for i in range(start, stop):
+                    starts[tuple(h[i : i + n])] = i
+            self.indexed[n] = max(start, stop)
         self.length, self.last, self.found = L, (h[L - 1] if L else None), None
         for n in range(min(self.hi, L - 1), self.lo - 1, -1):
             at = self.starts[n].get(tuple(h[L - n :]))
