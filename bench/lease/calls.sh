@@ -12,6 +12,10 @@
 # Session 17 (~900 s): c1 (model out of the tree, .gpu_w with .gpu_a), then i9 (carry .gpu_b)
 # with NS=8 GEN=128 T=560 CONFIGS=plain:off,mtp:auto,mtp:auto:free,ngram:auto,ngram:auto:free
 # (the controller's credit against none, in one process), then c9 with NS=1, the same.
+# Session 17, second lease (~1,100 s): c1; i9 with NS=8 GEN=128 ROUNDS=3
+# CONFIGS=plain:off,mtp:auto,ngram:auto,ngram:on (the host trims, busy rates); p2 with
+# LEASE_MODELS=qwen3.5-0.8b:f16 P2_TESTS=0 (carry .gpu_llama .gpu_w); p3 (its wait alone
+# first if the build is not done), CPUS=0-7 REPS=1.
 # Session 16's plan (~1,200 s): c1 (move models/slotserve-demo.gguf out of the tree for c1 only;
 # .gpu_w may ride with .gpu_a there); c2 with LEASE_MODELS="qwen3.5-0.8b:f16" (~60 s); c9
 # with NS="1 8" GEN=128, two rounds alternating (session 16: the host changed speed
@@ -41,7 +45,7 @@ i9)  # session 17, after c1 (carry .gpu_b): MLX installed, then c9 in the same c
 c9)  # where a speculative round's time goes on the GPU, MTP's catch-up and chain apart
   for n in ${NS:-1 8}; do
     timeout ${T:-280} python3 bench/spec_phases.py --model models/slotserve-demo.gguf --n $n --gen ${GEN:-64} \
-      --compile --precompile --configs ${CONFIGS:-plain:off,ngram:auto,mtp:on,mtp:auto} --rounds 2 --trace \
+      --compile --precompile --configs ${CONFIGS:-plain:off,ngram:auto,mtp:on,mtp:auto} --rounds ${ROUNDS:-2} --trace \
       --json "$OUT/c9_phases_n$n.json" > "$OUT/c9_phases_n$n.md" 2>&1
     tail -n 6 "$OUT/c9_phases_n$n.md"
   done ;;
