@@ -51,9 +51,19 @@ def test_fused_mixer_matches_the_portable_path(
 @pytest.mark.parametrize("tiled", [True, False])
 @pytest.mark.parametrize("fused_ba", [True, False])
 @pytest.mark.parametrize("capture", [False, True])
+@pytest.mark.parametrize("warps", ["", "8", "32"])  # "": by the launch's size (16 or 8)
 def test_kernel_matches_the_portable_ops(
-    lengths: tuple[int, ...], Hk: int, Hv: int, dk: int, tiled: bool, fused_ba: bool, capture: bool
+    lengths: tuple[int, ...],
+    Hk: int,
+    Hv: int,
+    dk: int,
+    tiled: bool,
+    fused_ba: bool,
+    capture: bool,
+    warps: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setenv(gdn_mixer_cuda.WARPS_ENV, warps)
     dv, Kc, eps = dk, 4, 1e-6
     Cq, B = Hk * dk, len(lengths)
     Cc, Cv, r = 2 * Cq + Hv * dv, Hv * dv, Hv // Hk

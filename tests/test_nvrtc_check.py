@@ -10,6 +10,8 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from engine.kernels import gdn_mixer_cuda
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
@@ -51,3 +53,13 @@ def test_a_kernel_that_does_not_compile_is_reported_with_nvrtc_s_log() -> None:
     assert nvrtc.compile("k", source) is None
     log = nvrtc.compile("k", source.replace("static_cast<T>(1.0f)", "undeclared_name"))
     assert log is not None and "undeclared_name" in log
+
+
+def test_warps_a_block_by_the_launchs_size() -> None:
+    """16 warps a block for a launch that leaves multiprocessors idle, 8 for a wide one,
+    always a count that divides the head's rows (chosen on the host: checked here, where
+    no GPU runs the CUDA tests)."""
+    assert gdn_mixer_cuda.warps(16, 128) == 16  # N = 1 on the 0.8B shape
+    assert gdn_mixer_cuda.warps(16 * 64, 128) == 8
+    assert gdn_mixer_cuda.warps(16, 24) == 8  # 24 rows: 16 does not divide them
+    assert gdn_mixer_cuda.warps(16, 5) == 1

@@ -25,6 +25,7 @@ the conv taps); tests compare the two on the GPU.
 from __future__ import annotations
 
 import functools
+import os
 
 import mlx.core as mx
 
@@ -253,6 +254,26 @@ def enabled() -> bool:
     return switched_on("GDN")
 
 
+WARPS_ENV = "SLOTSERVE_GDN_WARPS"
+FEW_BLOCKS = 264  # two per multiprocessor of an H100 / H200 (132)
+
+
+def warps(blocks: int, dv: int) -> int:
+    """Warps a block (one row's value head) runs: each warp carries `dv / warps` rows of the
+    head's state through the recurrence one after another, two warp reductions a row — the
+    kernel's latency at small batch, where its blocks leave most multiprocessors idle (on the
+    H200 at N = 1, 16 blocks of 8 warps took 15.7 us a layer to move 128 KB: 18 layers, a
+    fifth of the decode step's GPU time). So a launch of at most `FEW_BLOCKS` blocks runs 16
+    warps a block, halving that chain; a wider one 8 (the multiprocessors are full anyway).
+    `SLOTSERVE_GDN_WARPS=8|16|32` fixes the count where `dv` allows (benchmarks)."""
+    fixed = os.environ.get(WARPS_ENV)
+    want = int(fixed) if fixed else (16 if blocks <= FEW_BLOCKS else 8)
+    for nw in (want, 16, 8, 4, 2, 1):
+        if nw <= want and dv % nw == 0:
+            return nw
+    return 1
+
+
 def gdn_mixer_cuda(
     proj: mx.array,
     pad_index: mx.array,
@@ -309,7 +330,7 @@ def gdn_mixer_cuda(
     B, Hv, dv, dk = ssm.shape[-4:]
     Cc, Kc = conv_w.shape
     T = pad_index.shape[1]
-    nw = 8 if dv % 8 == 0 else 1
+    nw = warps(B * Hv, dv)
     f32 = mx.float32
     arrays = [
         proj,
