@@ -481,8 +481,8 @@ class Speculator:
             for d in self.drafters:  # they follow the trunk: each row's one position
                 follows = d.needs_hidden
                 for slot, plan, out in zip(slots, plans, outputs, strict=True):
-                    if follows(slot):
-                        d.observe(slot, plan.length, out.hidden, out.taps)
+                    if follows(slot) and (hidden := out.hidden) is not None:
+                        d.observe(slot, plan.length, hidden, out.taps)
         self._observe_cycle(len(decoding))
         return resolved
 
