@@ -55,7 +55,7 @@ from scheduler.publish_order import PublishOrder
 from scheduler.queue import Rejected, RejectReason, WaitQueue
 from scheduler.request import DuplicateRequestId, Request, Speculation, prepare
 from scheduler.sequence import Phase, Sequence, commit_plain_step
-from scheduler.stats import Counters, SchedulerStats
+from scheduler.stats import ControllerStats, Counters, SchedulerStats
 from scheduler.step import Stepper, StepPlan, StepResult
 from scheduler.step_thread import StepThread
 
@@ -252,6 +252,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         """A snapshot of the scheduler's state and counters since it started."""
         c, step = self._counters, self._stepper
+        ctrl = step.speculator.controller
         return SchedulerStats(
             waiting=len(self._queue),
             running=len(self._active),
@@ -266,6 +267,7 @@ class Scheduler:
             times=replace(c.times),
             prefix_cache=replace(self._reuse.stats()),
             decode_ahead=replace(step.ahead),
+            controller=ControllerStats(ctrl.held, ctrl.stalls, ctrl.credit),
         )
 
     # -- the loop --------------------------------------------------------------------------------

@@ -37,6 +37,18 @@ class AheadStats:
 
 
 @dataclass(frozen=True)
+class ControllerStats:
+    """The speculation cost controller's state (`engine.spec.controller.CostController`):
+    steps it kept plain because its credit for re-tries was spent (`held`), step times it
+    left out as stalls (`stalls`), and the credit now (`credit_s`, seconds drafting may
+    still lose before a re-try waits)."""
+
+    held: int = 0
+    stalls: int = 0
+    credit_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class SchedulerStats:
     waiting: int
     running: int
@@ -51,6 +63,7 @@ class SchedulerStats:
     times: StepTimes = field(default_factory=StepTimes)
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     decode_ahead: AheadStats = field(default_factory=AheadStats)
+    controller: ControllerStats = field(default_factory=ControllerStats)
 
 
 @dataclass

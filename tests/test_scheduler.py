@@ -48,6 +48,7 @@ from scheduler import (
     SchedulerConfig,
     Speculation,
 )
+from scheduler.stats import ControllerStats
 
 GREEDY = SamplingParams(temperature=0.0)
 CONTEXT = 160
@@ -196,6 +197,10 @@ async def test_32_staggered_requests_complete_and_each_matches_its_solo_run(
         assert all(len(x.top) == n and x.logprob <= x.top[0][1] + 1e-6 for x in got.logprobs)
     if speculate:
         assert sum(r.finished.spec.verify_steps for r in results.values()) > 0
+    # the cost controller's state, as the daemon's metrics export it
+    ctrl = scheduler._stepper.speculator.controller
+    assert stats.controller == ControllerStats(ctrl.held, ctrl.stalls, ctrl.credit)
+    assert ctrl.credit != 0.0  # every observed step earns it a share of its time
 
 
 async def test_compiled_steps_serve_what_eager_steps_serve(new: Callable[..., Scheduler]) -> None:

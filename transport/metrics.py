@@ -107,6 +107,13 @@ class _SnapshotCollector(Collector):
             ("dropped", "Decode steps queued ahead and dropped (wasted)", ahead.dropped),
         ):
             yield CounterMetricFamily(f"{PREFIX}_decode_ahead_{name}", text, value)
+        ctrl = st.controller
+        for family, name, text, value in (
+            (CounterMetricFamily, "held_steps", "Steps kept plain: the credit for re-tries was spent", ctrl.held),
+            (CounterMetricFamily, "stalls", "Step times the cost controller left out as stalls", ctrl.stalls),
+            (GaugeMetricFamily, "credit_seconds", "What drafting may still lose before a re-try waits", ctrl.credit_s),
+        ):  # fmt: skip
+            yield family(f"{PREFIX}_spec_{name}", text, value)
         t = st.times
         yield SummaryMetricFamily(
             f"{PREFIX}_step_seconds", "Wall time per batched step", t.steps, t.wall_s
