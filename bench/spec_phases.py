@@ -113,14 +113,19 @@ class _Engine:
 
 
 def _engine(
-    model: Any, prompts: list[list[int]], drafter: str, mode: str, args: Any, free: bool = False
+    model: Any, prompts: list[list[int]], drafter: str, mode: str, args: Any, credit: str = ""
 ) -> _Engine:
     """Build one configuration's engine, run its `args.warmup` untimed runs, hook its phases.
-    `free`: the controller's credit for re-tries never runs out (as before session 17)."""
+    `credit`: "free", the controller's credit for re-tries never runs out (as before session
+    17); "held", it is always spent, so "auto" drafts nothing after its first plain step —
+    what its host work costs on the steps where nothing drafts."""
     K = args.k
     spec = speculator(model, drafter, prompts, args, None)  # (spec_decode's engine)
-    if free:  # BENCHMARK ONLY: an infinite earning keeps the credit infinite
+    if credit == "free":  # BENCHMARK ONLY: an infinite earning keeps the credit infinite
         spec.controller.explore = math.inf
+    elif credit == "held":  # BENCHMARK ONLY: nothing earned, every step charged below zero
+        spec.controller.explore, spec.controller.credit = 0.0, -math.inf
+        spec.controller.charge = lambda *a: None  # type: ignore[method-assign]
     runner, pool = spec.runner, spec.runner.pool
     if args.uniform:  # a GPU's default row shapes, on any device
         spec.use_uniform_shapes(True)
@@ -211,8 +216,9 @@ def main() -> None:
     p.add_argument(
         "--configs",
         default=",".join(f"{d}:{m}" for d, m in CONFIGS),
-        help="drafter:mode[:free], comma-separated; 'free': the controller's credit for "
-        "re-tries never runs out (the controller as before session 17)",
+        help="drafter:mode[:free|:held], comma-separated; 'free': the controller's credit for "
+        "re-tries never runs out (the controller as before session 17); 'held': it is always "
+        "spent (what 'auto' costs the host where nothing drafts)",
     )
     p.add_argument(
         "--rounds",
@@ -251,10 +257,10 @@ def main() -> None:
     for _ in range(args.rounds):  # each round runs every configuration once, in order
         for config in args.configs.split(","):
             drafter, mode, *opts = config.split(":")
-            if opts not in ([], ["free"]):
-                p.error(f"{config}: a configuration is drafter:mode[:free]")
+            if opts not in ([], ["free"], ["held"]):
+                p.error(f"{config}: a configuration is drafter:mode[:free|:held]")
             if config not in engines:
-                engines[config] = _engine(model, prompts, drafter, mode, args, opts == ["free"])
+                engines[config] = _engine(model, prompts, drafter, mode, args, "".join(opts))
             r = phases(engines[config], config, args)
             rows.append(r)
             cells = " | ".join(f"{r['ms_per_step'][k]:.2f}" for k in _phases(args))
