@@ -9,6 +9,11 @@
 #   p1-p4                            session 14's plan (session 15 ran p2-p4; p1 never)
 # Calls already run are in git history (session 13: c3-c8; session 14: s1, s2; session 15:
 # c1, c2, p2, p4, c9, p3, r1; session 16: c1 and spec_phases runs, see PERFORMANCE.md).
+# Next lease (session 18 plan): c1, c2 with LEASE_MODELS=qwen3.5-0.8b:f16; the GDN mixer's
+# warps in tokens/s — mlx_env_sweep.py --n 1,8 --setting w8:SLOTSERVE_GDN_WARPS=8,ARGS=--overlap
+# --setting w16:SLOTSERVE_GDN_WARPS=16,... --setting w32:... (twice, alternated); the whole
+# tests/test_gdn_mixer_cuda.py (its 32-warp cases have not run: give it ~300 s); spec_phases
+# at N = 8 on held-out ids (tools/demo_model's ids.npz) for the busy rate on real text.
 # Session 17 (~900 s): c1 (model out of the tree, .gpu_w with .gpu_a), then i9 (carry .gpu_b)
 # with NS=8 GEN=128 T=560 CONFIGS=plain:off,mtp:auto,mtp:auto:free,ngram:auto,ngram:auto:free
 # (the controller's credit against none, in one process), then c9 with NS=1, the same.
