@@ -63,3 +63,12 @@ def test_warps_a_block_by_the_launchs_size() -> None:
     assert gdn_mixer_cuda.warps(16 * 64, 128) == 8
     assert gdn_mixer_cuda.warps(16, 24) == 8  # 24 rows: 16 does not divide them
     assert gdn_mixer_cuda.warps(16, 5) == 1
+
+
+@pytest.mark.parametrize("value", ["12", "64", "eight", "-8"])
+def test_a_warp_count_the_kernel_cannot_run_is_refused(
+    value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(gdn_mixer_cuda.WARPS_ENV, value)
+    with pytest.raises(ValueError, match="SLOTSERVE_GDN_WARPS"):
+        gdn_mixer_cuda.warps(16, 128)

@@ -262,11 +262,14 @@ def warps(blocks: int, dv: int) -> int:
     """Warps a block (one row's value head) runs: each warp carries `dv / warps` rows of the
     head's state through the recurrence one after another, two warp reductions a row — the
     kernel's latency at small batch, where its blocks leave most multiprocessors idle (on the
-    H200 at N = 1, 16 blocks of 8 warps took 15.7 us a layer to move 128 KB: 18 layers, a
-    fifth of the decode step's GPU time). So a launch of at most `FEW_BLOCKS` blocks runs 16
-    warps a block, halving that chain; a wider one 8 (the multiprocessors are full anyway).
-    `SLOTSERVE_GDN_WARPS=8|16|32` fixes the count where `dv` allows (benchmarks)."""
-    fixed = os.environ.get(WARPS_ENV)
+    H200 at N = 1, 16 blocks of 8 warps, each moving its head's 128 KB of state, took 15.7 us
+    a layer: 18 layers, a fifth of the decode step's GPU time; 16 warps: 11.9 us). So a
+    launch of at most `FEW_BLOCKS` blocks runs 16 warps a block, halving that chain; a wider
+    one 8 (the multiprocessors are full anyway). `SLOTSERVE_GDN_WARPS=8|16|32` fixes the
+    count where `dv` allows (benchmarks)."""
+    fixed = os.environ.get(WARPS_ENV, "")
+    if fixed and not (fixed.isdigit() and int(fixed) in (1, 2, 4, 8, 16, 32)):
+        raise ValueError(f"{WARPS_ENV}={fixed!r}: warps a block are 1, 2, 4, 8, 16 or 32")
     want = int(fixed) if fixed else (16 if blocks <= FEW_BLOCKS else 8)
     for nw in (want, 16, 8, 4, 2, 1):
         if nw <= want and dv % nw == 0:
