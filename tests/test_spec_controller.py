@@ -300,33 +300,3 @@ def test_a_step_after_a_plain_one_drafts_only_on_credit() -> None:
     ctrl.observe_round(SlotId(0), "mtp", CAP, 0)
     ctrl.observe_step(2, CAP, 0.050)
     assert ctrl.credit == -1e-3  # not charged
-
-
-@pytest.mark.parametrize("width", [1, 3, 8, 32])
-def test_the_narrow_and_the_wide_tabulation_choose_alike(width: int) -> None:
-    """`_deepen` tabulates in Python up to `NARROW` slots and in numpy above: the same
-    choices from the same tables, rates, caps and modes."""
-    rng = np.random.default_rng(width)
-    for _ in range(200):
-        ctrl = CostController()
-        plain = float(rng.uniform(0.001, 0.01))
-        ctrl.observe_step(width, 0, plain)
-        for d in rng.choice(
-            np.arange(1, CAP + 1), size=int(rng.integers(0, CAP + 1)), replace=False
-        ):
-            ctrl.observe_step(width, int(d), plain * float(rng.uniform(1.0, 4.0)))
-        offers = []
-        for i in range(width):
-            slot = SlotId(i)
-            for _ in range(int(rng.integers(0, 6))):
-                k = int(rng.integers(1, CAP + 1))
-                ctrl.observe_round(slot, "mtp", k, int(rng.integers(0, k + 1)))
-            mode = str(rng.choice(["auto", "auto", "auto", "on", "off"]))
-            offers.append(Offer(slot, "mtp", int(rng.integers(0, CAP + 1)), mode))
-        ks = [o.cap if o.mode == "on" else 0 for o in offers]
-        auto = [i for i, o in enumerate(offers) if o.mode == "auto" and o.cap > 0]
-        if not auto:
-            continue
-        narrow = ctrl._deepen_narrow(offers, ks, auto)
-        ctrl.NARROW = 0
-        assert ctrl._deepen(offers, ks, auto) == narrow

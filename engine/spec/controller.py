@@ -274,16 +274,11 @@ class CostController:
                 self._drafting = True
         return ks
 
-    NARROW = 32  # widths up to this tabulate in Python: numpy's calls cost more on few slots
-
     def _deepen(self, offers: Sequence[Offer], ks: list[int], auto: list[int]) -> list[int]:
         """The depths with the most expected tokens per predicted second. Per step: O(slots)
         to read the rates and tabulate each slot's tokens at every depth, then a vector sum a
-        depth (Python per slot and depth cost ~4 ms a step at 1,024 slots); up to `NARROW`
-        slots, plain Python (48 -> 28 us a choice at 8 slots)."""
+        depth (Python per slot and depth cost ~4 ms a step at 1,024 slots)."""
         width = len(offers)
-        if width <= self.NARROW:
-            return self._deepen_narrow(offers, ks, auto)
         rates = np.array([self.rate(o.slot, o.drafter) for o in offers])
         caps = np.array([o.cap for o in offers])
         joining = np.array([i for i in auto if rates[i] >= self.min_rate], dtype=np.int64)
@@ -304,36 +299,6 @@ class CostController:
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = trial, rate
         return [int(k) for k in best]
-
-    def _deepen_narrow(self, offers: Sequence[Offer], ks: list[int], auto: list[int]) -> list[int]:
-        """`_deepen` for a narrow batch: the same choice, tabulated in Python."""
-        width = len(offers)
-        rates = [self.rate(o.slot, o.drafter) for o in offers]
-        joining = [i for i in auto if rates[i] >= self.min_rate]
-        source = self._source(width)
-        deepest = max(max(ks), min(max(offers[i].cap for i in auto), self._reach(width, source)))
-        # committed[i][k]: slot i's expected tokens with k drafts, 1 + a + ... + a^k
-        committed = []
-        for a in rates:
-            row, term, total = [1.0], 1.0, 1.0
-            for _ in range(deepest):
-                term *= a
-                total += term
-                row.append(total)
-            committed.append(row)
-        best, best_rate = ks, -1.0
-        for depth in range(max(ks), deepest + 1):
-            trial = list(ks)
-            if depth:
-                for i in joining:
-                    trial[i] = min(depth, offers[i].cap)
-            seconds = self._predict(width, max(trial), source)
-            assert seconds is not None  # plain decode is measured, so every depth predicts
-            tokens = sum(row[k] for row, k in zip(committed, trial, strict=True))
-            rate = tokens / max(seconds, 1e-9)
-            if rate > best_rate * (1 + 1e-9):
-                best, best_rate = trial, rate
-        return best
 
     def observe_step(self, width: int, depth: int, seconds: float) -> None:
         """A step of `width` decoding slots whose deepest draft was `depth` took `seconds`."""
