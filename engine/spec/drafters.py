@@ -349,8 +349,7 @@ class MTPDrafter(Drafter):
             return
         t.hidden.append(hidden)
         t.n += hidden.shape[0]
-        if self.runner.pool.mtp_lengths[slot] > t.start:  # a draft chain's provisional entries
-            self.runner.pool.truncate_mtp(slot, t.start)
+        self.runner.pool.truncate_mtp(slot, t.start)
 
     def release(self, slot: SlotId) -> None:
         self._tails.pop(slot, None)

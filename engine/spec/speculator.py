@@ -478,11 +478,9 @@ class Speculator:
             resolved = self._accept(decoding, plans, outputs, ks)
         else:
             resolved = self._plain(decoding, outputs, drawn)
-            for d in self.drafters:  # they follow the trunk: each row's one position
-                follows = d.needs_hidden
+            if self.drafters:  # they follow the trunk
                 for slot, plan, out in zip(slots, plans, outputs, strict=True):
-                    if follows(slot) and (hidden := out.hidden) is not None:
-                        d.observe(slot, plan.length, hidden, out.taps)
+                    self._commit(slot, plan, out, 0, 0)
         self._observe_cycle(len(decoding))
         return resolved
 
