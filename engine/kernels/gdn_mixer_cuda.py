@@ -270,11 +270,10 @@ def warps(blocks: int, dv: int) -> int:
     fixed = os.environ.get(WARPS_ENV, "")
     if fixed and not (fixed.isdigit() and int(fixed) in (1, 2, 4, 8, 16, 32)):
         raise ValueError(f"{WARPS_ENV}={fixed!r}: warps a block are 1, 2, 4, 8, 16 or 32")
-    want = int(fixed) if fixed else (16 if blocks <= FEW_BLOCKS else 8)
-    for nw in (want, 16, 8, 4, 2, 1):
-        if nw <= want and dv % nw == 0:
-            return nw
-    return 1
+    nw = int(fixed) if fixed else (16 if blocks <= FEW_BLOCKS else 8)
+    while dv % nw:  # (powers of two: halving ends at 1, which divides anything)
+        nw //= 2
+    return nw
 
 
 def gdn_mixer_cuda(
