@@ -168,10 +168,9 @@ def test_the_metrics_endpoint_counts_the_traffic(model: Path, tmp_path: Path) ->
     # 7 decode tokens each; a step that accepts drafts commits more than one of them
     accepted = moved("slotserve_spec_accepted_tokens_total")
     assert sum(moved(k) for k in depth_steps) == 3 * 7 - accepted
-    # the cost controller: steps it kept plain, stalls it left out, its credit for re-tries
-    assert moved("slotserve_spec_held_steps_total") >= 0
-    assert moved("slotserve_spec_stalls_total") >= 0
-    assert "slotserve_spec_credit_seconds" in after
+    # the cost controller's state is exported (its values: test_scheduler's staggered test)
+    for name in ("held_steps_total", "stalls_total", "credit_seconds"):
+        assert f"slotserve_spec_{name}" in after
     assert after["slotserve_active_slots"] == 0 and after["slotserve_queue_depth"] == 0
 
 
