@@ -123,8 +123,8 @@ def _engine(
     spec = speculator(model, drafter, prompts, args, None)  # (spec_decode's engine)
     if credit == "free":  # BENCHMARK ONLY: an infinite earning keeps the credit infinite
         spec.controller.explore = math.inf
-    elif credit == "held":  # BENCHMARK ONLY: nothing earned, every step charged below zero
-        spec.controller.explore, spec.controller.credit = 0.0, -math.inf
+    elif credit == "held":  # BENCHMARK ONLY: spent for good (nothing charged, nothing earned)
+        spec.controller.credit = -math.inf
         spec.controller.charge = lambda *a: None  # type: ignore[method-assign]
     runner, pool = spec.runner, spec.runner.pool
     if args.uniform:  # a GPU's default row shapes, on any device
