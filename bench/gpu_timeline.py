@@ -5,8 +5,11 @@ device, the tokens to the host) under `torch.profiler`, whose CUPTI tracing reco
 CUDA kernel of the process — MLX's too — with its start and duration, and the CUDA API
 calls that launched them. Per N it reports, per step: wall time, kernels, the sum of their
 durations, the time the GPU was busy (the union of the kernels' intervals) and idle, the
-delay from the step's start to its first kernel, graph launches, and the kernels that take
-the most time, grouped by name. Needs torch with CUDA beside MLX's CUDA backend.
+delay from the step's start to its first kernel, graph launches, the kernels that take
+the most time, grouped by name, with their commonest grid x block, and the host's side: the
+time spent inside CUDA's API calls by call, and the median time from one launch call to the
+next (what the host pays a kernel). The JSON also lists the last step's kernels in order.
+Needs torch with CUDA beside MLX's CUDA backend.
 
     python bench/gpu_timeline.py --preset qwen3.5-0.8b --quant f16 --dtype bf16 --n 1,8 \
         --model-dir MODELS --json OUT.json --trace-dir OUT/
@@ -18,6 +21,8 @@ capture, then the pool's rollback to one kept token), to set beside the plain st
 from __future__ import annotations
 
 import argparse
+import collections
+import itertools
 import json
 import re
 import sys
@@ -66,11 +71,20 @@ def summarize_trace(events: list[dict[str, Any]], top: int = 12) -> dict[str, An
         and "Launch" in e.get("name", "")
         and e.get("ph") == "X"
     ]
+    api = [
+        e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("ph") == "X"
+    ]
     per_step: list[dict[str, float]] = []
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    shapes: dict[str, collections.Counter[str]] = defaultdict(collections.Counter)
+    by_call: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    sequence: list[dict[str, Any]] = []
     for a, b in steps:
         ks = [k for k in kernels if a <= k["ts"] < b]
         ls = [e for e in launches if a <= e["ts"] < b]
+        calls = [e for e in api if a <= e["ts"] < b]
+        starts = sorted(e["ts"] for e in ls)
+        gaps = sorted(y - x for x, y in itertools.pairwise(starts))
         iv = [(k["ts"], k["ts"] + k["dur"]) for k in ks]
         busy = busy_us(iv)
         per_step.append(
@@ -83,12 +97,24 @@ def summarize_trace(events: list[dict[str, Any]], top: int = 12) -> dict[str, An
                 "first_kernel_us": (min(x for x, _ in iv) - a) if iv else 0.0,
                 "graph_launches": sum("Graph" in e["name"] for e in ls),
                 "kernel_launches": sum("Graph" not in e["name"] for e in ls),
+                # the host: time inside CUDA's API, and from one launch call to the next
+                "api_us": sum(e["dur"] for e in calls),
+                "launch_gap_us": gaps[len(gaps) // 2] if gaps else 0.0,
             }
         )
         for k in ks:
             entry = by_name[short_name(k["name"])]
             entry[0] += 1
             entry[1] += k["dur"]
+            shapes[short_name(k["name"])][launch_shape(k)] += 1
+        for e in calls:
+            call = by_call[e["name"]]
+            call[0] += 1
+            call[1] += e["dur"]
+        sequence = [
+            {"kernel": short_name(k["name"]), "us": k["dur"], "grid": launch_shape(k)}
+            for k in sorted(ks, key=lambda k: k["ts"])
+        ]
     n = max(len(steps), 1)
 
     def median(key: str) -> float:
@@ -100,10 +126,27 @@ def summarize_trace(events: list[dict[str, Any]], top: int = 12) -> dict[str, An
         "steps": len(steps),
         **{k: median(k) for k in (per_step[0] if per_step else {})},
         "top": [
-            {"kernel": name, "per_step": c / n, "us_per_step": t / n, "us_each": t / max(c, 1)}
+            {
+                "kernel": name,
+                "per_step": c / n,
+                "us_per_step": t / n,
+                "us_each": t / max(c, 1),
+                "grid": shapes[name].most_common(1)[0][0],
+            }
             for name, (c, t) in ranked
         ],
+        "api": [
+            {"call": name, "per_step": c / n, "us_per_step": t / n}
+            for name, (c, t) in sorted(by_call.items(), key=lambda kv: -kv[1][1])[:top]
+        ],
+        "last_step": sequence,  # every kernel of the last step in order: what a name hides
     }
+
+
+def launch_shape(kernel: dict[str, Any]) -> str:
+    """`grid x block` of a kernel event (CUPTI's args), e.g. `[8, 1, 1]x[256, 1, 1]`."""
+    args = kernel.get("args", {})
+    return f"{args.get('grid', '?')}x{args.get('block', '?')}".replace(" ", "")
 
 
 def profile(args: argparse.Namespace) -> dict[str, Any]:
@@ -179,13 +222,18 @@ def format_summary(n: int, s: dict[str, Any]) -> str:
         f"{s.get('busy_us', 0) / 1e3:.2f} ms, idle {s.get('idle_us', 0) / 1e3:.2f} ms, first "
         f"kernel after {s.get('first_kernel_us', 0) / 1e3:.2f} ms, "
         f"{s.get('graph_launches', 0):.0f} graph launches, "
-        f"{s.get('kernel_launches', 0):.0f} direct launches",
-        f"  {'kernel':60s} {'per step':>8s} {'us/step':>9s} {'us each':>8s}",
+        f"{s.get('kernel_launches', 0):.0f} direct launches; host: {s.get('api_us', 0) / 1e3:.2f} "
+        f"ms in CUDA's API, {s.get('launch_gap_us', 0):.1f} us from launch to launch",
+        f"  {'kernel':60s} {'per step':>8s} {'us/step':>9s} {'us each':>8s}  grid x block",
     ]
     for t in s["top"]:
         lines.append(
             f"  {t['kernel']:60s} {t['per_step']:8.1f} {t['us_per_step']:9.1f} {t['us_each']:8.2f}"
+            f"  {t['grid']}"
         )
+    lines.append(f"  {'CUDA API call':60s} {'per step':>8s} {'us/step':>9s}")
+    for c in s.get("api", []):
+        lines.append(f"  {c['call'][:60]:60s} {c['per_step']:8.1f} {c['us_per_step']:9.1f}")
     return "\n".join(lines)
 
 

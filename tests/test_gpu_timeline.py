@@ -37,7 +37,10 @@ def test_steps_count_their_own_kernels_gaps_and_launches() -> None:
         _x("kernel", "void a::gemv<1>()", 25, 20),  # overlaps the first: busy 35, not 40
         _x("kernel", "norm", 60, 10),
         _x("cuda_driver", "cuLaunchKernel", 101, 1),
-        _x("kernel", "norm", 110, 30),
+        _x("cuda_driver", "cuLaunchKernel", 104, 1),
+        _x("cuda_driver", "cuLaunchKernel", 111, 2),
+        _x("cuda_runtime", "cudaEventRecord", 120, 4),
+        {**_x("kernel", "norm", 110, 30), "args": {"grid": [8, 1, 1], "block": [256, 1, 1]}},
         _x("kernel", "outside", 200, 5),
         {"ph": "i", "cat": "kernel", "name": "instant", "ts": 12},
     ]
@@ -49,8 +52,18 @@ def test_steps_count_their_own_kernels_gaps_and_launches() -> None:
     assert s["busy_us"] == 45
     assert s["idle_us"] == 55
     assert s["first_kernel_us"] == 10
-    assert s["graph_launches"] == 1 and s["kernel_launches"] == 1
+    # step 2 launched three times: gaps 3 and 7, median (upper) 7; its API time 1 + 1 + 2 + 4
+    assert s["graph_launches"] == 1 and s["kernel_launches"] == 3
+    assert s["launch_gap_us"] == 7 and s["api_us"] == 8
+    calls = {c["call"]: c for c in s["api"]}
+    assert (
+        calls["cuLaunchKernel"]["per_step"] == 1.5 and calls["cuLaunchKernel"]["us_per_step"] == 2
+    )
+    assert calls["cudaEventRecord"]["us_per_step"] == 2
+    assert [k["kernel"] for k in s["last_step"]] == ["norm"]
+    assert s["last_step"][0]["grid"] == "[8,1,1]x[256,1,1]"
     top = {t["kernel"]: t for t in s["top"]}
     assert set(top) == {"gemv", "norm"}
     assert top["gemv"]["per_step"] == 1.0 and top["gemv"]["us_each"] == 20
     assert top["norm"]["us_per_step"] == 20 and top["norm"]["us_each"] == 20
+    assert top["norm"]["grid"] in ("?x?", "[8,1,1]x[256,1,1]")  # one of each: the first counted

@@ -27,6 +27,10 @@
 # between runs; ~560 s for both N: give the call 590 s, or one N per call); p2 with P2_TESTS=0 (llama.cpp's build);
 # p3 with REPS=2 (the suite was not run in session 16; session 15's N = 8 read 1.29x of
 # llama.cpp, the target 1.3x).
+# Session 18, first lease (~12 min): l1 (carry .gpu_a .gpu_w; models/slotserve-demo.gguf moved
+# out of the tree for it), then at once l2 (carry .gpu_b): MLX, the 0.8B, timelines with the
+# host's CUDA API calls at N = 1, 8 (and at N = 8 with MLX_MAX_OPS_PER_BUFFER=1000); l3: the
+# mixer's warps and MLX's commit interval in tokens/s (pinned, N = 1, 8), the 32-warp tests.
 set -u
 M=/tmp/models
 L=/tmp/llama/llama.cpp/build/bin/llama-batched-bench
@@ -34,6 +38,28 @@ export PYTHONPATH=/tmp/site:$PWD
 case ${1:-} in
 c1)
   mkdir -p /tmp/keep && cp -r .gpu_a/. /tmp/keep/ && ls /tmp/keep ;;
+l1)
+  mkdir -p /tmp/keep && cp -r .gpu_a/. /tmp/keep/ && ls /tmp/keep
+  for w in .gpu_w/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done; ls /tmp/site | wc -l ;;
+l2)  # MLX, the 0.8B; kernel and host timelines (gpu_timeline's API columns are new)
+  source .gpu_b/install-mlx-cuda.sh > "$OUT/l2_install.txt" 2>&1; tail -n 2 "$OUT/l2_install.txt"
+  export PYTHONPATH=/tmp/site:$PWD
+  T=$(date +%s); LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > "$OUT/l2_setup.txt" 2>&1
+  echo "setup $(( $(date +%s) - T )) s"
+  timeout 150 python3 bench/gpu_timeline.py --model-dir $M --n 1,8 --json "$OUT/tl.json" \
+    --trace-dir /tmp/trace > "$OUT/tl.md" 2>&1; grep -v -i warn "$OUT/tl.md" | head -70
+  MLX_MAX_OPS_PER_BUFFER=1000 timeout 100 python3 bench/gpu_timeline.py --model-dir $M --n 8 \
+    --json "$OUT/tl_ops1k.json" --trace-dir /tmp/trace > "$OUT/tl_ops1k.md" 2>&1
+  grep -v -i warn "$OUT/tl_ops1k.md" | head -3 ;;
+l3)  # tokens/s: the mixer's warps a block, MLX's ops between commits (decode-ahead, pinned)
+  export PYTHONPATH=/tmp/site:$PWD
+  taskset -c ${CPUS:-0-7} timeout 330 python3 bench/mlx_env_sweep.py --model-dir $M --gen 32 \
+    --n 1,8 --json "$OUT/l3_sweep.json" --setting w16:ARGS=--overlap \
+    --setting w8:SLOTSERVE_GDN_WARPS=8,ARGS=--overlap --setting w32:SLOTSERVE_GDN_WARPS=32,ARGS=--overlap \
+    --setting ops1k:MLX_MAX_OPS_PER_BUFFER=1000,ARGS=--overlap > "$OUT/l3_sweep.md" 2>&1
+  tail -n 10 "$OUT/l3_sweep.md"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gdn_mixer_cuda.py -k 32 \
+    > "$OUT/l3_tests.txt" 2>&1; tail -n 4 "$OUT/l3_tests.txt" ;;
 c2)
   source .gpu_b/install-mlx-cuda.sh
   T=$(date +%s); source bench/lease/setup.sh > "$OUT/c2_setup.txt" 2>&1
