@@ -65,7 +65,7 @@ def test_warps_a_block_by_the_launchs_size() -> None:
     assert gdn_mixer_cuda.warps(16, 5) == 1
 
 
-@pytest.mark.parametrize("value", ["12", "64", "eight", "-8"])
+@pytest.mark.parametrize("value", ["12", "32", "64", "eight", "-8"])
 def test_a_warp_count_the_kernel_cannot_run_is_refused(
     value: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

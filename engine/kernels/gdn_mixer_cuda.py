@@ -265,11 +265,13 @@ def warps(blocks: int, dv: int) -> int:
     H200 at N = 1, 16 blocks of 8 warps, each moving its head's 128 KB of state, took 15.7 us
     a layer: 18 layers, a fifth of the decode step's GPU time; 16 warps: 11.9 us). So a
     launch of at most `FEW_BLOCKS` blocks runs 16 warps a block, halving that chain; a wider
-    one 8 (the multiprocessors are full anyway). `SLOTSERVE_GDN_WARPS=8|16|32` fixes the
-    count where `dv` allows (benchmarks)."""
+    one 8 (the multiprocessors are full anyway). `SLOTSERVE_GDN_WARPS=1|2|4|8|16` fixes the
+    count where `dv` allows (benchmarks). Not 32: 1,024 threads of some of the kernel's
+    variants ask for more registers than a multiprocessor has (on the H200 the launch of
+    128-row heads failed, "too many resources requested", session 18)."""
     fixed = os.environ.get(WARPS_ENV, "")
-    if fixed and not (fixed.isdigit() and int(fixed) in (1, 2, 4, 8, 16, 32)):
-        raise ValueError(f"{WARPS_ENV}={fixed!r}: warps a block are 1, 2, 4, 8, 16 or 32")
+    if fixed and not (fixed.isdigit() and int(fixed) in (1, 2, 4, 8, 16)):
+        raise ValueError(f"{WARPS_ENV}={fixed!r}: warps a block are 1, 2, 4, 8 or 16")
     nw = int(fixed) if fixed else (16 if blocks <= FEW_BLOCKS else 8)
     while dv % nw:  # (powers of two: halving ends at 1, which divides anything)
         nw //= 2
