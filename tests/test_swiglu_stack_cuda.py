@@ -34,11 +34,21 @@ def test_swiglu_kernel_matches_silu_times_up(shape: tuple[int, int], dtype: mx.D
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize(
-    ("k", "shape"), [(2, (1, 3)), (6, (8, 2, 256)), (18, (3, 16, 128, 128)), (300, (2, 5))]
+    ("k", "shape"),
+    [(2, (1, 3)), (6, (8, 2, 256)), (18, (3, 16, 128, 128)), (300, (2, 5)), (3, (5, 24))],
 )
-def test_stack_kernel_equals_mx_stack(k: int, shape: tuple[int, ...], dtype: mx.Dtype) -> None:
+@pytest.mark.parametrize("offset", [0, 1])  # 1: views one element into a larger array
+def test_stack_kernel_equals_mx_stack(
+    k: int, shape: tuple[int, ...], dtype: mx.Dtype, offset: int
+) -> None:
+    """Whole 16-byte pieces a thread where the inputs allow (every shape but (1, 3) and
+    (2, 5)), element by element where an input's start is not aligned (`offset`)."""
     keys = mx.random.split(mx.random.key(2), k)
-    arrays = [mx.random.normal(shape, key=keys[i]).astype(dtype) for i in range(k)]
+    size = int(np.prod(shape))
+    arrays = [
+        mx.random.normal((size + offset,), key=keys[i]).astype(dtype)[offset:].reshape(shape)
+        for i in range(k)
+    ]
     got = stack_cuda.stack(arrays)
     assert got.shape == (k, *shape) and got.dtype == dtype
     assert bool(mx.array_equal(got, mx.stack(arrays)))
