@@ -3,6 +3,7 @@ that leave the pool unchanged."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -381,6 +382,29 @@ def test_writing_recurrent_states_a_layer_at_a_time_stores_what_stacking_does(
         runner.adopt(pending, range(8))
         pools.append([pool.snapshot(s) for s in slots])
     assert all(snapshots_equal(a, b) for a, b in zip(*pools, strict=True))
+
+
+def test_a_steps_kv_store_is_one_scatter_per_pool_array(model: Model, tmp_path: Path) -> None:
+    """Every packed token's K/V lands at its (slot, position) in every attention layer, by a
+    graph of the scatter and views alone: no arange or copy of the index arrays (written
+    `k[:, tok_slot, tok_pos]`, MLX made four such nodes a store, each a launch on a GPU)."""
+    pool = SlotPool(model.config, 4, 16, mx.float32)
+    slots = [pool.allocate() for _ in range(3)]
+    lengths = [2, 1, 3]
+    tok_slot, tok_pos = SlotPool.token_coordinates(slots, [0, 0, 0], lengths)
+    La, _, _, Hkv, D = pool.k.shape
+    k, v = (mx.random.normal((La, sum(lengths), Hkv, D), key=mx.random.key(i)) for i in (1, 2))
+    _, _, conv, ssm = pool.read(slots, 1)
+    want = np.array(pool.k)
+    want[:, np.array(tok_slot), np.array(tok_pos)] = np.array(k)
+    pool.write(slots, tok_slot, tok_pos, [k, v, conv + 1, ssm + 1])
+    dot = tmp_path / "store.dot"
+    mx.export_to_dot(str(dot), pool.k)
+    labels = re.findall(r'label ="([^"]*)"', dot.read_text())
+    assert labels.count("Scatter") == 1
+    assert not {"Arange", "AsType", "Copy"} & set(labels)
+    assert np.array_equal(np.array(pool.k), want)
+    assert np.array_equal(np.array(pool.v)[:, np.array(tok_slot), np.array(tok_pos)], np.array(v))
 
 
 def test_a_bad_ssm_write_mode_is_refused(model: Model, monkeypatch: pytest.MonkeyPatch) -> None:
