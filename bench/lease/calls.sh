@@ -31,6 +31,11 @@
 # out of the tree for it), then at once l2 (carry .gpu_b): MLX, the 0.8B, timelines with the
 # host's CUDA API calls at N = 1, 8 (and at N = 8 with MLX_MAX_OPS_PER_BUFFER=1000); l3: the
 # mixer's warps and MLX's commit interval in tokens/s (pinned, N = 1, 8), the 32-warp tests.
+# Session 18, second lease (~14 min): m1 (as l1), m2 (carry .gpu_b .gpu_llama): MLX, the
+# 0.8B, llama.cpp's build started; beside it the GPU tests of this session's kernels and
+# pool store, timelines at N = 8, 64 on 4 cores the build leaves; m3 (carry .gpu_before: a
+# `git archive` of 56f9f7b, before the vectorized stack and the K/V store): before / after
+# in turn, decode-ahead, pinned, N = 8 and 64, twice; m4: the suite (p3).
 set -u
 M=/tmp/models
 L=/tmp/llama/llama.cpp/build/bin/llama-batched-bench
@@ -60,6 +65,35 @@ l3)  # tokens/s: the mixer's warps a block, MLX's ops between commits (decode-ah
   tail -n 10 "$OUT/l3_sweep.md"
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gdn_mixer_cuda.py -k 32 \
     > "$OUT/l3_tests.txt" 2>&1; tail -n 4 "$OUT/l3_tests.txt" ;;
+m1)
+  bash "$0" l1 ;;
+m2)
+  source .gpu_b/install-mlx-cuda.sh > "$OUT/m2_install.txt" 2>&1; tail -n 1 "$OUT/m2_install.txt"
+  export PYTHONPATH=/tmp/site:$PWD
+  T=$(date +%s); LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > "$OUT/m2_setup.txt" 2>&1
+  echo "setup $(( $(date +%s) - T )) s"
+  ids=$(timeout 60 python3 -m pytest --co -q -p no:cacheprovider tests/test_gdn_mixer_cuda.py \
+    | grep '\[1-' | head -24)
+  taskset -c 11-15 timeout 150 python3 -m pytest -q -p no:cacheprovider \
+    "tests/test_swiglu_stack_cuda.py" tests/test_pool.py -k "stack or scatter_per_pool or recurrent" \
+    > "$OUT/m2_tests.txt" 2>&1; tail -n 3 "$OUT/m2_tests.txt"
+  taskset -c 11-15 timeout 120 python3 -m pytest -q -p no:cacheprovider $ids \
+    > "$OUT/m2_tests_w1.txt" 2>&1; tail -n 3 "$OUT/m2_tests_w1.txt"
+  taskset -c 11-15 timeout 150 python3 bench/gpu_timeline.py --model-dir $M --n 8,64 \
+    --json "$OUT/m2_tl.json" --trace-dir /tmp/trace > "$OUT/m2_tl.md" 2>&1
+  grep -E "^N=|stack|scatter|copy_v|arange|CUDA API|cuLaunch" "$OUT/m2_tl.md" | head -30 ;;
+m3)  # before / after, decode-ahead, pinned, N = 8 and 64, in turn, twice
+  export PYTHONPATH=/tmp/site:$PWD
+  for r in 1 2; do
+    for v in before after; do
+      dir=.; [ $v = before ] && dir=.gpu_before
+      (cd $dir && taskset -c ${CPUS:-0-7} timeout 140 python3 bench/mlx_env_sweep.py --model-dir $M \
+        --gen 32 --n 8,64 --json "$OUT/m3_${v}_$r.json" --setting "${v}_$r:ARGS=--overlap" \
+        2>/dev/null | grep "^| ${v}" | tee -a "$OUT/m3_ab.md")
+    done
+  done ;;
+m4)
+  bash "$0" p3 ;;
 c2)
   source .gpu_b/install-mlx-cuda.sh
   T=$(date +%s); source bench/lease/setup.sh > "$OUT/c2_setup.txt" 2>&1
