@@ -27,6 +27,9 @@
 # between runs; ~560 s for both N: give the call 590 s, or one N per call); p2 with P2_TESTS=0 (llama.cpp's build);
 # p3 with REPS=2 (the suite was not run in session 16; session 15's N = 8 read 1.29x of
 # llama.cpp, the target 1.3x).
+# Next lease (session 19 plan): m1, m2 (its timeline on idle cores this time: after the build,
+# for comparable host figures), then several before/after pairs at N = 8 pinned (m3/m5 style)
+# of whatever cuts launches next; the suite (m4) twice; the rest of the 1-warp mixer cases.
 # Session 18, first lease (~12 min): l1 (carry .gpu_a .gpu_w; models/slotserve-demo.gguf moved
 # out of the tree for it), then at once l2 (carry .gpu_b): MLX, the 0.8B, timelines with the
 # host's CUDA API calls at N = 1, 8 (and at N = 8 with MLX_MAX_OPS_PER_BUFFER=1000); l3: the
