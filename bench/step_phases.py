@@ -103,9 +103,9 @@ def graph_nodes(runner: ModelRunner, slots: list[int], dot: Path) -> collections
     starts = [pool.lengths[s] for s in slots]
     layout = Layout.build([1] * n, starts, [False] * n)
     past = runner.past_for(max(starts))
-    fn = runner._forward_fn(shape_key(layout, n, past, ()), layout, ())
+    fn = runner._forward_fn(shape_key(layout, n, past, (), every=True), layout, (), every=True)
     tokens = mx.zeros((n,), dtype=mx.int32)
-    logits, hidden, new, captures, taps = fn(
+    logits, hidden, new, captures, taps, _ = fn(
         [tokens, mx.arange(n, dtype=mx.int32), *layout.arrays()], pool.read(slots, past)
     )
     mx.export_to_dot(str(dot), logits, hidden, *new, *captures, *taps)

@@ -256,7 +256,9 @@ class ModelRunner:
         else:
             tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, lengths)
         inputs = [mx.array(tokens, dtype=mx.int32), self.inputs.kept(picked)]
-        fn = self._forward_fn(shape_key(layout, len(picked), past, taps), layout, taps)
+        every = picked == list(range(len(tokens)))  # every position, in order: no gather
+        key = shape_key(layout, len(picked), past, taps, every)
+        fn = self._forward_fn(key, layout, taps, every)
         # The pool is read and written outside the compiled graph: eager scatters update
         # it in place, while a compiled graph would copy every state array each step.
         logits, hidden, new, captures, tapped_list, after = fn(
@@ -321,8 +323,8 @@ class ModelRunner:
             for width, past, start in self._precompile_grid(n):
                 slots = [SlotId(s) for s in range(width)]
                 layout = Layout.build([n] * width, [start] * width, [True] * width)
-                key = shape_key(layout, width * n, past, taps)
-                fn = self._forward_fn(key, layout, taps)
+                key = shape_key(layout, width * n, past, taps, every=True)
+                fn = self._forward_fn(key, layout, taps, every=True)
                 inputs = [mx.zeros((width * n,), dtype=mx.int32), mx.arange(width * n)]
                 logits, _, new, captures, _, _ = fn(
                     [*inputs, *layout.arrays()], self.pool.read(slots, past)
@@ -463,8 +465,8 @@ class ModelRunner:
         width = len(slots)
         layout = Layout.build([1] * width, starts, [False] * width, row_starts)
         past = self.past_for(max(starts))
-        key = shape_key(layout, width, past, ())
-        fn = self._forward_fn(key, layout, ())
+        key = shape_key(layout, width, past, (), every=True)
+        fn = self._forward_fn(key, layout, (), every=True)
         inputs = [tokens, layout.pack_index, *layout.arrays()]
         return key, fn(inputs, self.pool.read(slots, past))
 
@@ -562,8 +564,11 @@ class ModelRunner:
         return taps
 
     def _forward_fn(
-        self, key: tuple[object, ...], layout: Layout, taps: tuple[int, ...]
+        self, key: tuple[object, ...], layout: Layout, taps: tuple[int, ...], every: bool
     ) -> Callable[..., Any]:
+        """The trunk's forward for one batch shape. `every`: the outputs are every packed
+        position in order (decode and verify steps), taken as they are — where picking them
+        (`picked`, then unread) would be a gather, a launch on a GPU."""
         model, config = self.model, self.model.config
         derive = self.inputs.device
 
@@ -574,10 +579,10 @@ class ModelRunner:
             lay = layout.with_arrays(layout_arrays)
             states = SlotPool.split_states(config, stacked)
             hidden, new_states, captures, tapped = model(tokens, lay, states, taps)
-            h = hidden[picked]
+            h = hidden if every else hidden[picked]
             flat = [a for c in captures if c is not None for a in (c.windows, c.states)]
             new = SlotPool.stack_states(lay, new_states, self.ssm_layers(layout.rows))
-            t = [] if tapped is None else [tapped[picked]]  # a list: compiled graphs return no None
+            t = [] if tapped is None else [tapped if every else tapped[picked]]  # (no None out)
             # each row's start once all its tokens are in: the next decode step's starts,
             # made on the device in this graph (`StepInputs`; without it, no kernel spent)
             after = lay.row_starts + lay.row_lengths if derive else lay.row_starts
@@ -996,11 +1001,24 @@ def _chain_key(layout: Layout, depth: int, past: int, shaping: Shaping) -> tuple
     return ("mtp-chain", layout.rows, depth, past, *shaping.key)
 
 
-def shape_key(layout: Layout, outputs: int, past: int, taps: tuple[int, ...]) -> tuple[object, ...]:
+def shape_key(
+    layout: Layout, outputs: int, past: int, taps: tuple[int, ...], every: bool = False
+) -> tuple[object, ...]:
     """What a trunk forward is compiled for: the batch's layout (rows, longest row, tokens,
-    capture rows), the positions it returns, the past it reads, the layers it taps."""
+    capture rows), the positions it returns (`every`: all, in order), the past it reads, the
+    layers it taps."""
     tokens = int(layout.pack_index.shape[0])
-    return (layout.rows, layout.width, layout.uniform, layout.capture, outputs, past, tokens, taps)
+    return (
+        layout.rows,
+        layout.width,
+        layout.uniform,
+        layout.capture,
+        outputs,
+        every,
+        past,
+        tokens,
+        taps,
+    )
 
 
 def _written(past: AttentionState, new: AttentionState, at: mx.array) -> AttentionState:

@@ -7,6 +7,7 @@ greedy tokens and logits must equal those of running it alone.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +20,9 @@ from hypothesis import strategies as st
 from test_pool import snapshots_equal
 
 from engine.cache import SlotId, SlotPool
+from engine.models.batch import Layout
 from engine.models.qwen35 import Model, load_model
-from engine.runner import ModelRunner, Row
+from engine.runner import ModelRunner, Row, shape_key
 
 CONTEXT = 64
 
@@ -172,6 +174,29 @@ def test_slots_outside_the_batch_are_untouched(model: Model, pad: bool) -> None:
                 for x, y in zip(a, b, strict=True):
                     assert np.array_equal(x, y)
     assert any(key[:2] == (4, 1) for key in runner._compiled) == pad  # 3 rows ran as 4
+
+
+def test_steps_returning_every_position_take_their_outputs_without_a_gather(
+    model: Model, tmp_path: Path
+) -> None:
+    """Decode and verify steps return every position in order: the forward hands its hidden
+    rows on as they are, its only gather the embedding lookup; a prefill returning its rows'
+    last positions gathers them (on a GPU a gather is a launch)."""
+    runner = ModelRunner(model, SlotPool(model.config, 2, CONTEXT, mx.float32, max_draft=2))
+    pool = runner.pool
+    slots = [pool.allocate() for _ in range(2)]
+    runner.step([Row(s, [1, 2, 3], 0) for s in slots])
+    runner.step([Row(s, [4], 3) for s in slots])
+    runner.step([Row(s, [5, 6, 7], 4, capture=True, want=range(3)) for s in slots])
+    assert [key[5] for key in runner._compiled] == [False, True, True]  # shape_key's `every`
+    layout = Layout.build([1, 1], [7, 7], [False, False])
+    for every, gathers in ((True, 1), (False, 2)):
+        fn = runner._forward_fn(shape_key(layout, 2, 8, (), every), layout, (), every)
+        inputs = [mx.array([8, 9], dtype=mx.int32), mx.arange(2, dtype=mx.int32)]
+        _, hidden, *_ = fn([*inputs, *layout.arrays()], pool.read(slots, 8))
+        mx.export_to_dot(str(tmp_path / "g.dot"), hidden)
+        labels = re.findall(r'label ="([^"]*)"', (tmp_path / "g.dot").read_text())
+        assert labels.count("Gather") == gathers
 
 
 def test_a_padded_launch_equals_an_unpadded_step(model: Model) -> None:
