@@ -504,6 +504,9 @@ class Model:
         # step, and MLX evaluates a graph only on the thread that built it.
         mx.eval(_arrays(self))
         weights.prepare(_arrays(self))
+        # the residual stream's first value where layer 0's norm joins its product's kernel
+        self.zero_rows = mx.zeros((gemv_cuda.MAX_ROWS, E), dtype)
+        mx.eval(self.zero_rows)
 
     def embed_tokens(self, tokens: mx.array, table: Weight | None = None) -> mx.array:
         w = self.tok_embd if table is None else table
@@ -527,6 +530,8 @@ class Model:
         `[N, len(taps) * E]`, what a DFlash drafter is conditioned on (else None).
         """
         x, pending = self.embed_tokens(tokens), None  # the residual stream is x + pending
+        if self._first_norm_fused(x):
+            x, pending = self.zero_rows[: x.shape[0]], x
         new_states: list[LayerState] = []
         captures: list[LinearCapture | None] = []
         tapped: dict[int, mx.array] = {}
@@ -544,6 +549,20 @@ class Model:
 
     def logits(self, hidden: mx.array) -> mx.array:
         return matmul(hidden, self.output)
+
+    def _first_norm_fused(self, x: mx.array) -> bool:
+        """Whether layer 0's norm goes into its first product's kernel, as every later
+        layer's add + norm does (`add_norm_project`): the stream then enters as zeros + the
+        embedding (`h` = 0 + e, exactly), one launch where the norm alone was one more —
+        on the H200 a decode step's only `rms_norm` kernel, ~12 us of host time."""
+        W = self.layers[0].mixer.in_proj.fused
+        rows = x.shape[0] if x.ndim == 2 else 0
+        return (
+            W is not None
+            and 0 < rows <= self.zero_rows.shape[0]
+            and x.dtype == self.zero_rows.dtype
+            and gemv_cuda.takes_prologue(rows, x.shape[1], x.dtype, W)
+        )
 
 
 def _arrays(obj: object, seen: set[int] | None = None) -> list[mx.array]:
