@@ -68,6 +68,18 @@ l3)  # tokens/s: the mixer's warps a block, MLX's ops between commits (decode-ah
   tail -n 10 "$OUT/l3_sweep.md"
   timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gdn_mixer_cuda.py -k 32 \
     > "$OUT/l3_tests.txt" 2>&1; tail -n 4 "$OUT/l3_tests.txt" ;;
+f2)  # session 18's last lease (~300 s; after l1): timelines after every change, then the
+  # fused-path model tests of the layer-0 fold and the gather-free outputs
+  source .gpu_b/install-mlx-cuda.sh > "$OUT/f2_install.txt" 2>&1; tail -n 1 "$OUT/f2_install.txt"
+  export PYTHONPATH=/tmp/site:$PWD
+  LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > "$OUT/f2_setup.txt" 2>&1
+  timeout 95 python3 bench/gpu_timeline.py --model-dir $M --n 1,8 --json "$OUT/f2_tl.json" \
+    --trace-dir /tmp/trace > "$OUT/f2_tl.md" 2>&1
+  grep -E "^N=|rms_norm|gather|CUDA API|cuLaunch" "$OUT/f2_tl.md" | head -16
+  timeout 75 python3 -m pytest -q -p no:cacheprovider tests/test_gemv_prologue_cuda.py -k model \
+    > "$OUT/f2_tests.txt" 2>&1; tail -n 2 "$OUT/f2_tests.txt"
+  timeout 40 python3 -m pytest -q -p no:cacheprovider tests/test_batching.py -k "gather or padded" \
+    > "$OUT/f2_tests_b.txt" 2>&1; tail -n 2 "$OUT/f2_tests_b.txt" ;;
 m1)
   bash "$0" l1 ;;
 m2)
