@@ -365,7 +365,11 @@ async def test_publishing_that_outlasts_the_forwards_goes_first_and_streams_the_
     starting the next (`PublishOrder`); the requests stream what they stream otherwise."""
     reqs = [replace(r, max_tokens=48) for r in requests(6)]  # ~50 steps: probes come
     alone = await through_sinks(tiny, reqs, n_slots=6)
-    for busy_s, slow in ((0.0, False), (0.02, True)):
+    # 80 ms of publishing a step: on this 2-core CPU the tiny model's forwards spend ~12 ms
+    # a step off the step thread (MLX's CPU workers), so 20 ms of publishing put what a
+    # forward could hide near `OVERLAP_ABOVE` and the rule went back to overlapping in one
+    # run of a few (18 of 48 steps published first); at 80 ms it is ~0.15, far from 0.5.
+    for busy_s, slow in ((0.0, False), (0.08, True)):
         scheduler = new_scheduler(tiny, n_slots=6)
         group = SlowGroup(busy_s)
         async with scheduler.running():
