@@ -29,7 +29,10 @@
 # llama.cpp, the target 1.3x).
 # Next lease (session 19 plan): m1, m2 (its timeline on idle cores this time: after the build,
 # for comparable host figures), then several before/after pairs at N = 8 pinned (m3/m5 style)
-# of whatever cuts launches next; the suite (m4) twice; the rest of the 1-warp mixer cases.
+# of whatever cuts launches next; the suite (m4) twice; the rest of the 1-warp mixer cases;
+# tokens/s of 3c71e16 + 83d4416 (gather-free outputs, layer 0's norm: 137 kernels a step);
+# the 8-row gate|up product (224 blocks of split 1, 16 us at ~0.9 TB/s): a timeline with
+# SLOTSERVE_GEMV_STAGED_SPLIT=2 against auto.
 # Session 18, first lease (~12 min): l1 (carry .gpu_a .gpu_w; models/slotserve-demo.gguf moved
 # out of the tree for it), then at once l2 (carry .gpu_b): MLX, the 0.8B, timelines with the
 # host's CUDA API calls at N = 1, 8 (and at N = 8 with MLX_MAX_OPS_PER_BUFFER=1000); l3: the
