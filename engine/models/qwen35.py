@@ -66,16 +66,22 @@ def add_norm_project(
     the add and the norm into its own kernel (`gemv_cuda.add_norm_gemv_cuda`): one launch
     where there were two, and the normalised rows are never stored."""
     W = proj.fused
-    if (
-        m is None
-        or W is None
-        or x.ndim != 2
-        or m.dtype != x.dtype
-        or not gemv_cuda.takes_prologue(x.shape[0], x.shape[1], x.dtype, W)
-    ):
+    if m is None or m.dtype != x.dtype or not takes_add_norm(x, proj):
         h, a = add_rms_norm(x, m, w, eps, w32)
         return h, proj.joined(a)
+    assert W is not None  # (takes_add_norm)
     return gemv_cuda.add_norm_gemv_cuda(x, m, w32, eps, W)
+
+
+def takes_add_norm(x: mx.array, proj: Projection) -> bool:
+    """Whether `add_norm_project` runs the add + norm of rows like `x` inside `proj`'s
+    product kernel."""
+    W = proj.fused
+    return (
+        W is not None
+        and x.ndim == 2
+        and gemv_cuda.takes_prologue(x.shape[0], x.shape[1], x.dtype, W)
+    )
 
 
 def rope_frequencies(cfg: ModelConfig) -> mx.array:
@@ -505,6 +511,7 @@ class Model:
         mx.eval(_arrays(self))
         weights.prepare(_arrays(self))
         # the residual stream's first value where layer 0's norm joins its product's kernel
+        # (a prologue takes at most MAX_ROWS rows)
         self.zero_rows = mx.zeros((gemv_cuda.MAX_ROWS, E), dtype)
         mx.eval(self.zero_rows)
 
@@ -530,7 +537,10 @@ class Model:
         `[N, len(taps) * E]`, what a DFlash drafter is conditioned on (else None).
         """
         x, pending = self.embed_tokens(tokens), None  # the residual stream is x + pending
-        if self._first_norm_fused(x):
+        if takes_add_norm(x, self.layers[0].mixer.in_proj):
+            # layer 0's norm inside its first product's kernel too, as every later add +
+            # norm: the stream enters as zeros + the embedding (h = 0 + e, exactly) — one
+            # launch where the norm alone was one more (~12 us of host time on the H200)
             x, pending = self.zero_rows[: x.shape[0]], x
         new_states: list[LayerState] = []
         captures: list[LinearCapture | None] = []
@@ -549,20 +559,6 @@ class Model:
 
     def logits(self, hidden: mx.array) -> mx.array:
         return matmul(hidden, self.output)
-
-    def _first_norm_fused(self, x: mx.array) -> bool:
-        """Whether layer 0's norm goes into its first product's kernel, as every later
-        layer's add + norm does (`add_norm_project`): the stream then enters as zeros + the
-        embedding (`h` = 0 + e, exactly), one launch where the norm alone was one more —
-        on the H200 a decode step's only `rms_norm` kernel, ~12 us of host time."""
-        W = self.layers[0].mixer.in_proj.fused
-        rows = x.shape[0] if x.ndim == 2 else 0
-        return (
-            W is not None
-            and 0 < rows <= self.zero_rows.shape[0]
-            and x.dtype == self.zero_rows.dtype
-            and gemv_cuda.takes_prologue(rows, x.shape[1], x.dtype, W)
-        )
 
 
 def _arrays(obj: object, seen: set[int] | None = None) -> list[mx.array]:
