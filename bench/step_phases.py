@@ -46,7 +46,7 @@ from engine.cache import SlotPool
 from engine.gguf import GGUFFile
 from engine.models.batch import Layout
 from engine.models.qwen35 import Model
-from engine.runner import ModelRunner, Row, shape_key
+from engine.runner import ModelRunner, Row
 
 PHASES = ("prepare", "graph", "eval", "write", "sample")
 
@@ -70,8 +70,9 @@ class Timed:
 
         return timed
 
-    def _timed_forward_fn(self, *args: Any) -> Callable[..., Any]:
-        return self._wrap(self._forward_fn(*args), "graph")
+    def _timed_forward_fn(self, *args: Any, **kw: Any) -> tuple[object, Callable[..., Any]]:
+        key, fn = self._forward_fn(*args, **kw)
+        return key, self._wrap(fn, "graph")
 
     def close(self) -> None:
         self.runner._forward_fn = self._forward_fn  # type: ignore[method-assign]
@@ -103,7 +104,7 @@ def graph_nodes(runner: ModelRunner, slots: list[int], dot: Path) -> collections
     starts = [pool.lengths[s] for s in slots]
     layout = Layout.build([1] * n, starts, [False] * n)
     past = runner.past_for(max(starts))
-    fn = runner._forward_fn(shape_key(layout, n, past, (), every=True), layout, (), every=True)
+    _, fn = runner._forward_fn(layout, n, past, (), every=True)
     tokens = mx.zeros((n,), dtype=mx.int32)
     logits, hidden, new, captures, taps, _ = fn(
         [tokens, mx.arange(n, dtype=mx.int32), *layout.arrays()], pool.read(slots, past)

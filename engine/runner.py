@@ -256,9 +256,9 @@ class ModelRunner:
         else:
             tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, lengths)
         inputs = [mx.array(tokens, dtype=mx.int32), self.inputs.kept(picked)]
-        every = picked == list(range(len(tokens)))  # every position, in order: no gather
-        key = shape_key(layout, len(picked), past, taps, every)
-        fn = self._forward_fn(key, layout, taps, every)
+        # every position, in order (decode, verify): the forward takes them without a gather
+        every = len(picked) == len(tokens) and picked == list(range(len(tokens)))
+        _, fn = self._forward_fn(layout, len(picked), past, taps, every)
         # The pool is read and written outside the compiled graph: eager scatters update
         # it in place, while a compiled graph would copy every state array each step.
         logits, hidden, new, captures, tapped_list, after = fn(
@@ -323,8 +323,7 @@ class ModelRunner:
             for width, past, start in self._precompile_grid(n):
                 slots = [SlotId(s) for s in range(width)]
                 layout = Layout.build([n] * width, [start] * width, [True] * width)
-                key = shape_key(layout, width * n, past, taps, every=True)
-                fn = self._forward_fn(key, layout, taps, every=True)
+                key, fn = self._forward_fn(layout, width * n, past, taps, every=True)
                 inputs = [mx.zeros((width * n,), dtype=mx.int32), mx.arange(width * n)]
                 logits, _, new, captures, _, _ = fn(
                     [*inputs, *layout.arrays()], self.pool.read(slots, past)
@@ -465,8 +464,7 @@ class ModelRunner:
         width = len(slots)
         layout = Layout.build([1] * width, starts, [False] * width, row_starts)
         past = self.past_for(max(starts))
-        key = shape_key(layout, width, past, (), every=True)
-        fn = self._forward_fn(key, layout, (), every=True)
+        key, fn = self._forward_fn(layout, width, past, (), every=True)
         inputs = [tokens, layout.pack_index, *layout.arrays()]
         return key, fn(inputs, self.pool.read(slots, past))
 
@@ -564,11 +562,13 @@ class ModelRunner:
         return taps
 
     def _forward_fn(
-        self, key: tuple[object, ...], layout: Layout, taps: tuple[int, ...], every: bool
-    ) -> Callable[..., Any]:
-        """The trunk's forward for one batch shape. `every`: the outputs are every packed
-        position in order (decode and verify steps), taken as they are — where picking them
-        (`picked`, then unread) would be a gather, a launch on a GPU."""
+        self, layout: Layout, outputs: int, past: int, taps: tuple[int, ...], every: bool
+    ) -> tuple[tuple[object, ...], Callable[..., Any]]:
+        """The trunk's forward for one batch shape (`shape_key`) and that key. `every`: the
+        `outputs` are every packed position in order (decode and verify steps), taken as
+        they are — where picking them (`picked`, then unread) would be a gather, a launch on
+        a GPU."""
+        key = shape_key(layout, outputs, past, taps, every)
         model, config = self.model, self.model.config
         derive = self.inputs.device
 
@@ -592,7 +592,7 @@ class ModelRunner:
         # tens of ms, one per width and past bucket); a ragged prefill waits for its shape to
         # come back.
         recurs = layout.uniform and self.recurs(layout.width, layout.width)
-        return self._kept_or(key, forward, at_once=recurs)
+        return key, self._kept_or(key, forward, at_once=recurs)
 
     def _draft_fn(
         self, key: tuple[object, ...], layout: Layout, last: bool, at_once: bool

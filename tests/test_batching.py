@@ -22,7 +22,7 @@ from test_pool import snapshots_equal
 from engine.cache import SlotId, SlotPool
 from engine.models.batch import Layout
 from engine.models.qwen35 import Model, load_model
-from engine.runner import ModelRunner, Row, shape_key
+from engine.runner import ModelRunner, Row
 
 CONTEXT = 64
 
@@ -191,7 +191,7 @@ def test_steps_returning_every_position_take_their_outputs_without_a_gather(
     assert [key[5] for key in runner._compiled] == [False, True, True]  # shape_key's `every`
     layout = Layout.build([1, 1], [7, 7], [False, False])
     for every, gathers in ((True, 1), (False, 2)):
-        fn = runner._forward_fn(shape_key(layout, 2, 8, (), every), layout, (), every)
+        _, fn = runner._forward_fn(layout, 2, 8, (), every)
         inputs = [mx.array([8, 9], dtype=mx.int32), mx.arange(2, dtype=mx.int32)]
         _, hidden, *_ = fn([*inputs, *layout.arrays()], pool.read(slots, 8))
         mx.export_to_dot(str(tmp_path / "g.dot"), hidden)
