@@ -144,9 +144,8 @@ class SlotPool:
         has_mtp = cfg.n_mtp > 0
         self.mtp_k = mx.zeros(kv_shape, self.kv_dtype) if has_mtp else None
         self.mtp_v = mx.zeros(kv_shape, self.kv_dtype) if has_mtp else None
-        self._layer_ids = mx.arange(La, dtype=mx.int32)[:, None]  # for `_token_index`
+        self._layer_ids = layer_ids(La)  # for `token_index`
         mx.eval(
-            self._layer_ids,
             self.k,
             self.v,
             self.conv,
@@ -275,7 +274,7 @@ class SlotPool:
         and ssm, and K/V of every packed token at `(tok_slot, tok_pos)`. The ssm comes
         stacked (one write) or a layer at a time (a write each)."""
         k, v, conv, *ssm = new
-        at = self._token_index(tok_slot, tok_pos)
+        at = token_index(self._layer_ids, tok_slot, tok_pos)
         self.k[at] = k.astype(self.kv_dtype)
         self.v[at] = v.astype(self.kv_dtype)
         put_slots(self.conv, slots, conv, self.MAX_RUNS)
@@ -284,21 +283,6 @@ class SlotPool:
         else:
             for layer, rows in enumerate(ssm):
                 put_slots(self.ssm, slots, rows, self.MAX_RUNS, layer)
-
-    def _token_index(
-        self, tok_slot: mx.array, tok_pos: mx.array
-    ) -> tuple[mx.array, mx.array, mx.array]:
-        """The index of every packed token's K/V entry in every attention layer of `k`, `v`:
-        `[La, N]` broadcast views of the layer numbers (made once) and of the coordinates.
-        Written `k[:, tok_slot, tok_pos]`, MLX builds these for each store — an arange and
-        three copies, four launches besides the scatter, eight a step for K and V (each
-        ~12 us of host time on the H200)."""
-        La, N = self.k.shape[0], tok_slot.shape[0]
-        return (
-            mx.broadcast_to(self._layer_ids, (La, N)),
-            mx.broadcast_to(tok_slot[None], (La, N)),
-            mx.broadcast_to(tok_pos[None], (La, N)),
-        )
 
     @staticmethod
     def split_states(
@@ -575,6 +559,29 @@ def _split(a: mx.array) -> list[mx.array]:
     groups = mx.split(a, list(range(size, n, size)), axis=0)
     assert isinstance(groups, list)
     return [part for group in groups for part in _split(group)]
+
+
+def layer_ids(layers: int) -> mx.array:
+    """`[layers, 1]` int32 layer numbers for `token_index`, made and evaluated once per pool."""
+    ids = mx.arange(layers, dtype=mx.int32)[:, None]
+    mx.eval(ids)
+    return ids
+
+
+def token_index(
+    ids: mx.array, tok_slot: mx.array, tok_pos: mx.array
+) -> tuple[mx.array, mx.array, mx.array]:
+    """The index of every packed token's K/V entry in every layer of a pool stacked
+    `[layers, slots, context, ...]`: `[layers, N]` broadcast views of the layer numbers
+    (`layer_ids`) and of the coordinates. Written `k[:, tok_slot, tok_pos]`, MLX builds these
+    for each store — an arange and three copies, four launches besides the scatter (each
+    ~12 us of host time on the H200)."""
+    shape = (ids.shape[0], tok_slot.shape[0])
+    return (
+        mx.broadcast_to(ids, shape),
+        mx.broadcast_to(tok_slot[None], shape),
+        mx.broadcast_to(tok_pos[None], shape),
+    )
 
 
 def take_slots(a: mx.array, slots: list[SlotId], axis: int, max_runs: int) -> mx.array:

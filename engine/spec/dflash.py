@@ -36,6 +36,8 @@ from engine.cache import (
     SlotStateError,
     device_copy,
     host_copy,
+    layer_ids,
+    token_index,
 )
 from engine.gguf import (
     GGUFError,
@@ -277,6 +279,7 @@ class DFlashPool:
         self.k = mx.zeros(shape, kv_dtype)
         self.v = mx.zeros(shape, kv_dtype)
         mx.eval(self.k, self.v)
+        self._layer_ids = layer_ids(config.n_layer)
         self.lengths = [0] * n_slots
 
     @classmethod
@@ -313,9 +316,9 @@ class DFlashPool:
                 raise ContextOverflowError(
                     f"slot {slot}: DFlash context {start} + {n} exceeds {self.max_context}"
                 )
-        tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, counts)
-        self.k[:, tok_slot, tok_pos] = mx.stack([k for k, _ in kv]).astype(self.kv_dtype)
-        self.v[:, tok_slot, tok_pos] = mx.stack([v for _, v in kv]).astype(self.kv_dtype)
+        at = token_index(self._layer_ids, *SlotPool.token_coordinates(slots, starts, counts))
+        self.k[at] = mx.stack([k for k, _ in kv]).astype(self.kv_dtype)
+        self.v[at] = mx.stack([v for _, v in kv]).astype(self.kv_dtype)
         mx.eval(self.k, self.v)
         for slot, start, n in zip(slots, starts, counts, strict=True):
             self.lengths[slot] = start + n
