@@ -78,7 +78,7 @@ def summarize_trace(events: list[dict[str, Any]], top: int = 12) -> dict[str, An
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     shapes: dict[str, collections.Counter[str]] = defaultdict(collections.Counter)
     by_call: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-    sequence: list[dict[str, Any]] = []
+    ks: list[dict[str, Any]] = []
     for a, b in steps:
         ks = [k for k in kernels if a <= k["ts"] < b]
         ls = [e for e in launches if a <= e["ts"] < b]
@@ -103,18 +103,15 @@ def summarize_trace(events: list[dict[str, Any]], top: int = 12) -> dict[str, An
             }
         )
         for k in ks:
-            entry = by_name[short_name(k["name"])]
+            name = short_name(k["name"])
+            entry = by_name[name]
             entry[0] += 1
             entry[1] += k["dur"]
-            shapes[short_name(k["name"])][launch_shape(k)] += 1
+            shapes[name][launch_shape(k)] += 1
         for e in calls:
             call = by_call[e["name"]]
             call[0] += 1
             call[1] += e["dur"]
-        sequence = [
-            {"kernel": short_name(k["name"]), "us": k["dur"], "grid": launch_shape(k)}
-            for k in sorted(ks, key=lambda k: k["ts"])
-        ]
     n = max(len(steps), 1)
 
     def median(key: str) -> float:
@@ -139,7 +136,11 @@ def summarize_trace(events: list[dict[str, Any]], top: int = 12) -> dict[str, An
             {"call": name, "per_step": c / n, "us_per_step": t / n}
             for name, (c, t) in sorted(by_call.items(), key=lambda kv: -kv[1][1])[:top]
         ],
-        "last_step": sequence,  # every kernel of the last step in order: what a name hides
+        # every kernel of the last step in order: what a name hides
+        "last_step": [
+            {"kernel": short_name(k["name"]), "us": k["dur"], "grid": launch_shape(k)}
+            for k in sorted(ks, key=lambda k: k["ts"])
+        ],
     }
 
 

@@ -35,7 +35,7 @@ def test_steps_count_their_own_kernels_gaps_and_launches() -> None:
         _x("cuda_runtime", "cudaGraphLaunch", 5, 2),
         _x("kernel", "void a::gemv<1>()", 10, 20),
         _x("kernel", "void a::gemv<1>()", 25, 20),  # overlaps the first: busy 35, not 40
-        _x("kernel", "norm", 60, 10),
+        {**_x("kernel", "norm", 60, 10), "args": {"grid": [8, 1, 1], "block": [256, 1, 1]}},
         _x("cuda_driver", "cuLaunchKernel", 101, 1),
         _x("cuda_driver", "cuLaunchKernel", 104, 1),
         _x("cuda_driver", "cuLaunchKernel", 111, 2),
@@ -66,4 +66,4 @@ def test_steps_count_their_own_kernels_gaps_and_launches() -> None:
     assert set(top) == {"gemv", "norm"}
     assert top["gemv"]["per_step"] == 1.0 and top["gemv"]["us_each"] == 20
     assert top["norm"]["us_per_step"] == 20 and top["norm"]["us_each"] == 20
-    assert top["norm"]["grid"] in ("?x?", "[8,1,1]x[256,1,1]")  # one of each: the first counted
+    assert top["norm"]["grid"] == "[8,1,1]x[256,1,1]" and top["gemv"]["grid"] == "?x?"
