@@ -22,12 +22,16 @@ PROMPTS = [[3, 9, 27, 81, 243], [5], [7, 11, 13]]
 
 
 def two_steps(
-    path: Path, capture: bool = False, prompts: list[list[int]] = PROMPTS
+    path: Path,
+    capture: bool = False,
+    prompts: list[list[int]] = PROMPTS,
+    dtype: mx.Dtype = mx.float32,
 ) -> list[np.ndarray]:
     """On the default device: a first step of two tokens per row, a ragged second step
     (rows of `prompts`, by default of 5, 1 and 3 tokens, optionally as capture rows), then
-    two decode steps. Returns every step's logits and the pool's state after the last."""
-    model = load_model(path)
+    two decode steps, the model computing in `dtype`. Returns every step's logits and the
+    pool's state after the last."""
+    model = load_model(path, dtype)
     pool = SlotPool(model.config, len(prompts), 32, mx.float32, max_draft=4)
     runner = ModelRunner(model, pool)
     slots = [pool.allocate() for _ in prompts]
@@ -42,15 +46,17 @@ def two_steps(
     )
     for tok in (17, 19):
         outs.append(runner.step([Row(s, [tok], pool.lengths[s]) for s in slots]))
-    logits = [np.concatenate([np.array(r.logits) for r in o.rows]) for o in outs]
+    logits = [np.concatenate([np.array(r.logits.astype(mx.float32)) for r in o.rows]) for o in outs]
     state = [np.array(a) for a in (pool.k, pool.v, *pool.ssm, *pool.conv)]
     return logits + state
 
 
-def on_cpu(path: Path, prompts: list[list[int]] = PROMPTS) -> list[np.ndarray]:
+def on_cpu(
+    path: Path, prompts: list[list[int]] = PROMPTS, dtype: mx.Dtype = mx.float32
+) -> list[np.ndarray]:
     try:
         mx.set_default_device(mx.cpu)
-        return two_steps(path, prompts=prompts)
+        return two_steps(path, prompts=prompts, dtype=dtype)
     finally:
         mx.set_default_device(mx.gpu)
 

@@ -43,6 +43,22 @@ def test_a_model_through_the_prologues_matches_the_portable_path(
     assert_as_close_as(two_steps(path, prompts=prompts), portable, on_cpu(path, prompts=prompts))
 
 
+@pytest.mark.parametrize("mma", ["1", "0"])
+def test_a_bf16_model_through_the_tensor_core_products(
+    make_model: Callable[..., Path], mma: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The staged products at 2-8 rows on tensor cores (SLOTSERVE_GEMV_MMA=1, the default)
+    hold a bf16 model as close to the CPU as the portable path does; so does the kernel
+    they replace ("0")."""
+    path = make_model("tiny", quant="f32")
+    monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "0")
+    portable = two_steps(path, dtype=mx.bfloat16)
+    monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "1")
+    monkeypatch.setenv(gemv_cuda.MMA_ENV, mma)
+    fused = two_steps(path, dtype=mx.bfloat16)
+    assert_as_close_as(fused, portable, on_cpu(path, dtype=mx.bfloat16))
+
+
 def _weight(kind: str, N: int, K: int, dtype: mx.Dtype) -> Weight:
     w = mx.random.normal((N, K), key=mx.random.key(N + 3 * K)) / np.sqrt(K)
     if kind == "float":
@@ -87,6 +103,7 @@ def staged(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> b
     """Both prologue kernels: the one that makes x per weight load, and the staged one (its
     rows made once per block in shared memory; groups of outputs per block)."""
     monkeypatch.setenv(gemv_cuda.STAGED_ENV, request.param)
+    monkeypatch.setenv(gemv_cuda.MMA_ENV, "0")  # its tensor-core form: tests of their own
     return bool(request.param == "1")
 
 
@@ -140,6 +157,7 @@ def test_rows_loaded_ahead_and_unrolled_weight_loads_change_no_value(
     earlier, not sums: every output and residual equal to the default staged kernel's (the
     0.8B's 8-row input and down products, chunked; a 3-row one)."""
     monkeypatch.setenv(gemv_cuda.STAGED_ENV, "1")
+    monkeypatch.setenv(gemv_cuda.MMA_ENV, "0")
     w = _weight(kind, N, K, dtype)
     x, m = _rows(R, K, dtype, 1, scale=4.0), _rows(R, K, dtype, 2)
     gu = _rows(R, 2 * K, dtype, R + K, scale=3.0)
@@ -156,6 +174,96 @@ def test_rows_loaded_ahead_and_unrolled_weight_loads_change_no_value(
         monkeypatch.setenv(gemv_cuda.STAGE_AHEAD_ENV, ahead)
         monkeypatch.setenv(gemv_cuda.STAGED_UNROLL_ENV, unroll)
         for g, wt in zip(both(), want, strict=True):
+            assert bool(mx.array_equal(g, wt)), (ahead, unroll)
+
+
+# the 0.8B's 8-row products (gate|up, GDN input, down: chunked), spare outputs, few rows
+MMA_CASES = [(8, 1024, 7168), (8, 1024, 8224), (8, 3584, 1024), (3, 1024, 1000), (2, 96, 40)]
+
+
+def _prologue_inputs(R: int, K: int, dtype: mx.Dtype) -> dict[str, mx.array]:
+    return {
+        "x": _rows(R, K, dtype, 1, scale=4.0),
+        "m": _rows(R, K, dtype, 2),
+        "norm": 1 + 0.1 * mx.random.normal((K,), key=mx.random.key(3)),
+        "gu": _rows(R, 2 * K, dtype, R + K, scale=3.0),
+    }
+
+
+def _both_products(w: Weight, a: dict[str, mx.array], whole: bool = True) -> list[mx.array]:
+    """The plain product (staged, as SLOTSERVE_FUSED_GEMV_DENSE=mma sends it), the SwiGLU
+    one and (where its rows fit the stage whole) the add + RMSNorm one's residual and
+    product."""
+    out = [gemv_cuda.gemv_cuda(a["x"], w, staged=True), gemv_cuda.swiglu_gemv_cuda(a["gu"], w)]
+    if whole:
+        out += gemv_cuda.add_norm_gemv_cuda(a["x"], a["m"], a["norm"], 1e-6, w)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+@pytest.mark.parametrize(("R", "K", "N"), MMA_CASES)
+def test_tensor_core_products_match_float32(
+    R: int, K: int, N: int, dtype: mx.Dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Against the prologue's rows (the separate kernels') times the weights in float32:
+    the products are exact in the fragments and summed in float32, so the outputs are off
+    by their own rounding to 16 bits and the order of the sums (a wrong fragment, row or
+    output is off by O(1))."""
+    monkeypatch.setenv(gemv_cuda.STAGED_ENV, "1")
+    assert gemv_cuda.mma_takes(R, K, dtype, mx.zeros((N, K), dtype))
+    w = _weight("float", N, K, dtype)
+    a = _prologue_inputs(R, K, dtype)
+    whole = R * K * dtype.size <= gemv_cuda.STAGE_MAX_BYTES
+    got = _both_products(w, a, whole)
+    w32 = np.array(w.astype(mx.float32))
+    made = [a["x"], swiglu_cuda.swiglu_cuda(a["gu"])]
+    if whole:
+        ref_h, normed = add_norm_cuda.add_rms_norm_cuda(a["x"], a["m"], a["norm"], 1e-6)
+        assert bool(mx.array_equal(got[2], ref_h))
+        made.append(normed)
+    for out, rows in zip([*got[:2], *got[3:]], made, strict=True):
+        want = np.array(rows.astype(mx.float32)) @ w32.T
+        err = np.abs(np.array(out.astype(mx.float32)) - want).max()
+        # add + RMSNorm: a normalised value may round to its neighbour (as above)
+        assert out.shape == (R, N) and err <= 2e-2 * max(np.abs(want).max(), 1.0), err
+
+
+@pytest.mark.parametrize(("K", "N"), [(1024, 7168), (3584, 1024), (96, 40)])
+def test_a_tensor_core_row_is_the_same_whatever_rows_share_its_launch(
+    K: int, N: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An output is one weight row against one column of x: a row's result is bit for bit
+    the same alone, among 1-8 rows, and beside other rows' values (3584 wide: whole in the
+    stage up to 6 rows, in chunks at 7 and 8) — batch invariance at decode sizes."""
+    monkeypatch.setenv(gemv_cuda.STAGED_ENV, "1")
+    dtype = mx.bfloat16
+    w = _weight("float", N, K, dtype)
+    a8 = _prologue_inputs(8, K, dtype)
+    whole = 8 * K * dtype.size <= gemv_cuda.STAGE_MAX_BYTES
+    want = _both_products(w, a8, whole)
+    other = {k: v + 1 for k, v in _prologue_inputs(8, K, dtype).items()}
+    for R in range(1, 9):
+        first = {k: v if k == "norm" else v[:R] for k, v in a8.items()}
+        for got, full in zip(_both_products(w, first, whole), want, strict=True):
+            assert bool(mx.array_equal(got, full[:R])), R
+        mixed = {
+            k: v if k == "norm" else mx.concatenate([a8[k][:R], other[k][R:]])
+            for k, v in a8.items()
+        }
+        for got, full in zip(_both_products(w, mixed, whole), want, strict=True):
+            assert bool(mx.array_equal(got[:R], full[:R])), R
+
+
+def test_tensor_core_loads_ahead_change_no_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SLOTSERVE_GEMV_MMA_UNROLL and SLOTSERVE_GEMV_STAGE_AHEAD move loads, not sums."""
+    monkeypatch.setenv(gemv_cuda.STAGED_ENV, "1")
+    w = _weight("float", 1000, 3584, mx.bfloat16)
+    a = _prologue_inputs(8, 3584, mx.bfloat16)
+    want = _both_products(w, a, whole=False)
+    for ahead, unroll in [("rows", "4"), ("1", "1"), ("1", "2"), ("rows", "8")]:
+        monkeypatch.setenv(gemv_cuda.STAGE_AHEAD_ENV, ahead)
+        monkeypatch.setenv(gemv_cuda.MMA_UNROLL_ENV, unroll)
+        for g, wt in zip(_both_products(w, a, whole=False), want, strict=True):
             assert bool(mx.array_equal(g, wt)), (ahead, unroll)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
+from engine.gguf import QuantizedWeight
 from engine.kernels import gdn_mixer_cuda
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,6 +66,36 @@ def test_warps_a_block_by_the_launchs_size() -> None:
     assert gdn_mixer_cuda.warps(16 * 64, 128) == 8
     assert gdn_mixer_cuda.warps(16, 24) == 8  # 24 rows: 16 does not divide them
     assert gdn_mixer_cuda.warps(16, 5) == 1
+
+
+def test_tensor_core_products_by_dtype_and_their_warps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staged products take the tensor-core kernel for 16-bit float weights in x's dtype
+    and K in rounds of 32; "auto" splits K until a product has ~1,024 warps, each left 8
+    rounds at least (chosen on the host: checked here)."""
+    from engine.kernels import gemv_cuda
+
+    monkeypatch.delenv(gemv_cuda.MMA_ENV, raising=False)
+    bf = mx.zeros((64, 1024), mx.bfloat16)
+    assert gemv_cuda.mma_takes(8, 1024, mx.bfloat16, bf)
+    assert gemv_cuda.mma_takes(1, 1024, mx.bfloat16, bf)
+    assert not gemv_cuda.mma_takes(9, 1024, mx.bfloat16, bf)
+    assert not gemv_cuda.mma_takes(8, 1024, mx.float16, bf)  # mixed dtypes
+    assert not gemv_cuda.mma_takes(8, 1024, mx.float32, bf.astype(mx.float32))
+    assert not gemv_cuda.mma_takes(8, 1000, mx.bfloat16, mx.zeros((64, 1000), mx.bfloat16))
+    q, s, b = mx.quantize(mx.zeros((64, 1024)), group_size=32, bits=8)
+    assert not gemv_cuda.mma_takes(
+        8, 1024, mx.bfloat16, QuantizedWeight(q, s, b, 8, 32, (64, 1024))
+    )
+    monkeypatch.setenv(gemv_cuda.MMA_ENV, "0")
+    assert not gemv_cuda.mma_takes(8, 1024, mx.bfloat16, bf)
+    monkeypatch.setenv(gemv_cuda.MMA_ENV, "yes")
+    with pytest.raises(ValueError, match="SLOTSERVE_GEMV_MMA"):
+        gemv_cuda.mma_takes(8, 1024, mx.bfloat16, bf)
+    assert gemv_cuda.mma_split(7168, 1024) == 4  # gate|up: 448 warps of 16 outputs -> 1,792
+    assert gemv_cuda.mma_split(8224, 1024) == 2  # the GDN input: 514 -> 1,028
+    assert gemv_cuda.mma_split(1024, 3584) == 8  # down: 64 -> 512 (8 at most)
+    assert gemv_cuda.mma_split(1024, 1024) == 4  # 8 rounds of 32 each at most
+    assert gemv_cuda.mma_split(40, 96) == 1
 
 
 @pytest.mark.parametrize("value", ["12", "32", "64", "eight", "-8"])

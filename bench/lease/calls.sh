@@ -42,6 +42,11 @@
 # pool store, timelines at N = 8, 64 on 4 cores the build leaves; m3 (carry .gpu_before: a
 # `git archive` of 56f9f7b, before the vectorized stack and the K/V store): before / after
 # in turn, decode-ahead, pinned, N = 8 and 64, twice; m4: the suite (p3).
+# Session 19 (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
+# tree), q2 (carry .gpu_b .gpu_llama): MLX, the 0.8B, llama.cpp's build started; the tensor-core
+# staged products' GPU tests (cores 11-15 beside the build), timelines at N = 8 with them on,
+# off, and on for the plain products too; q3: tokens/s at N = 8, the three in turn, three
+# times (pinned, decode-ahead); q4: the suite (p3).
 set -u
 M=/tmp/models
 L=/tmp/llama/llama.cpp/build/bin/llama-batched-bench
@@ -83,6 +88,32 @@ f2)  # session 18's last lease (~300 s; after l1): timelines after every change,
     > "$OUT/f2_tests.txt" 2>&1; tail -n 2 "$OUT/f2_tests.txt"
   timeout 40 python3 -m pytest -q -p no:cacheprovider tests/test_batching.py -k "gather or padded" \
     > "$OUT/f2_tests_b.txt" 2>&1; tail -n 2 "$OUT/f2_tests_b.txt" ;;
+q2)  # MLX, the 0.8B, llama.cpp's build; the tensor-core products' tests and timelines
+  source .gpu_b/install-mlx-cuda.sh > "$OUT/q2_install.txt" 2>&1; tail -n 1 "$OUT/q2_install.txt"
+  export PYTHONPATH=/tmp/site:$PWD
+  T=$(date +%s); LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > "$OUT/q2_setup.txt" 2>&1
+  echo "setup $(( $(date +%s) - T )) s"
+  taskset -c 11-15 timeout ${TT:-230} python3 -m pytest -q -p no:cacheprovider \
+    tests/test_gemv_prologue_cuda.py -k "tensor_core or bf16_model" > "$OUT/q2_tests.txt" 2>&1
+  tail -n 12 "$OUT/q2_tests.txt"
+  for v in mma:1:0 fma:0:0 mmad:1:mma; do
+    IFS=: read name mma dense <<< "$v"
+    SLOTSERVE_GEMV_MMA=$mma SLOTSERVE_FUSED_GEMV_DENSE=$dense taskset -c 11-15 timeout 60 \
+      python3 bench/gpu_timeline.py --model-dir $M --n 8 --json "$OUT/q2_tl_$name.json" \
+      --trace-dir /tmp/trace > "$OUT/q2_tl_$name.md" 2>&1
+    echo "== $name"; grep -E "^N=|gemv|nvjet" "$OUT/q2_tl_$name.md" | head -8
+  done ;;
+q3)  # tokens/s at N = 8: tensor cores on, off, on for the plain products too; in turn, 3x
+  for i in $(seq 40); do [ -f /tmp/llama/rc ] && break; sleep 5; done; cat /tmp/llama/rc
+  taskset -c ${CPUS:-0-7} timeout 560 python3 bench/mlx_env_sweep.py --model-dir $M --gen 32 \
+    --n ${NS:-8} --json "$OUT/q3_sweep.json" \
+    --setting mma_1:ARGS=--overlap --setting fma_1:SLOTSERVE_GEMV_MMA=0,ARGS=--overlap \
+    --setting mmad_1:SLOTSERVE_FUSED_GEMV_DENSE=mma,ARGS=--overlap \
+    --setting fma_2:SLOTSERVE_GEMV_MMA=0,ARGS=--overlap --setting mma_2:ARGS=--overlap \
+    --setting mmad_2:SLOTSERVE_FUSED_GEMV_DENSE=mma,ARGS=--overlap \
+    --setting mmad_3:SLOTSERVE_FUSED_GEMV_DENSE=mma,ARGS=--overlap \
+    --setting mma_3:ARGS=--overlap --setting fma_3:SLOTSERVE_GEMV_MMA=0,ARGS=--overlap \
+    > "$OUT/q3_sweep.md" 2>&1; tail -n 14 "$OUT/q3_sweep.md" ;;
 m1)
   bash "$0" l1 ;;
 m2)

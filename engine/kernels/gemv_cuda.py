@@ -369,13 +369,106 @@ _STAGED_SOURCE = (
 )
 
 
+# The staged kernel on tensor cores (`MMA_ENV`): at 2-8 rows the product above costs a lane 8
+# FMAs per weight value (the 0.8B's 8-row products ran at ~0.9 TB/s, its down projections at
+# ~0.4: the H200's issue rate, not its memory, bound them). Here a warp owns 16 outputs and
+# multiplies them by up to 8 rows with `mma.sync` m16n8k16 (bf16 or f16 in, f32 sums): lane
+# (g, t) = (lane / 4, lane % 4) loads 16 bytes of output rows g and g + 8 at K offset 8t of the
+# warp's 32 values, and its row g of x's same 8 values from the stage; the two products of a
+# round take those 8 values 4 at a time as the fragments' k = 2t, 2t + 1, 2t + 8, 2t + 9 — a
+# permutation of K that A and B share, so the sum is over the same products. An output is
+# a row of A against a column of B: no other row of x enters it, so a row's result is the
+# same whatever rows share the launch (rows past R are zeros).
+_MMA_ACC = """\
+    const int g = lane >> 2, t = lane & 3;
+    const long ra = row0 + g < N ? row0 + g : N - 1;  // spare outputs reread the last
+    const long rb = row0 + g + 8 < N ? row0 + g + 8 : N - 1;
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // outputs (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
+    auto mma = [&](unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+        if (BF)
+            asm volatile(
+                "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+        else
+            asm volatile(
+                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    };
+"""
+
+# One staged chunk's products: the group's warps take its rounds of 32 values in turn, U
+# rounds' loads in flight (a chunk and K are whole rounds, so a warp's lanes run the same
+# rounds and meet `mma.sync` together).
+_MMA_PRODUCT = """\
+    constexpr long MSTRIDE = 32L * SPLIT;  // values of K one round of the group covers
+    for (long k0 = K_LO + long(warp) * 32 + t * 8; k0 < K_HI; k0 += MSTRIDE * U) {
+        uint4 wa[U], wb[U];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long k = k0 + u * MSTRIDE;
+            if (k < K_HI) {
+                wa[u] = __ldg(reinterpret_cast<const uint4*>(base + (ra * K + k) * 2));
+                wb[u] = __ldg(reinterpret_cast<const uint4*>(base + (rb * K + k) * 2));
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long k = k0 + u * MSTRIDE;
+            if (k >= K_HI) break;
+            uint4 xb = make_uint4(0u, 0u, 0u, 0u);
+            if (g < R) xb = *reinterpret_cast<const uint4*>(xs + g * KC + (k - K_LO));
+            mma(wa[u].x, wb[u].x, wa[u].y, wb[u].y, xb.x, xb.y);
+            mma(wa[u].z, wb[u].z, wa[u].w, wb[u].w, xb.z, xb.w);
+        }
+    }
+"""
+
+# The group's warps add their sums in the stage (free after the last chunk), in warp order.
+_MMA_TAIL = """\
+    float* part = reinterpret_cast<float*>(stage_raw);  // [G][SPLIT][32 lanes][4]
+    if (SPLIT > 1) {
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) part[((grp * SPLIT + warp) * 32 + lane) * 4 + i] = c[i];
+        __syncthreads();
+    }
+    if (warp == 0) {
+        #pragma unroll
+        for (int s = 1; s < SPLIT; ++s)
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) c[i] += part[((grp * SPLIT + s) * 32 + lane) * 4 + i];
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = 2 * t + (i & 1);
+            const long o = row0 + g + (i >> 1) * 8;
+            if (r < R && o < N) out[r * N + o] = static_cast<T>(c[i]);
+        }
+    }
+"""
+
+_MMA_SOURCE = (
+    _STAGED_HEAD
+    + _MMA_ACC
+    + "    for (long K_LO = 0; K_LO < K; K_LO += KC) {\n"
+    + "    const long K_HI = K_LO + KC < K ? K_LO + KC : K;\n"
+    + _STAGED_CHUNK
+    + _MMA_PRODUCT
+    + "    __syncthreads();  // every group done with the chunk before the next is staged\n"
+    + "    }\n"
+    + _MMA_TAIL
+)
+
+
 def enabled() -> bool:
     """On MLX's CUDA backend, unless SLOTSERVE_FUSED_GEMV=0."""
     return switched_on("GEMV")
 
 
 DENSE_ENV = "SLOTSERVE_FUSED_GEMV_DENSE"
-DENSE_MODES = ("0", "1", "rows")
+DENSE_MODES = ("0", "1", "rows", "mma")
 
 
 def dense_mode() -> str:
@@ -383,8 +476,18 @@ def dense_mode() -> str:
     "0" (the default) none — MLX's own gemv reads a float matrix as fast at one row and is
     one launch; "rows" those of 2 to `MAX_ROWS` rows, where MLX goes to cuBLASLt, whose
     split-K products are two launches (a 0.8B-shaped bf16 step at N = 8 launched 24
-    split-K reductions beside its 48 products: session 11); "1" every one that fits."""
+    split-K reductions beside its 48 products: session 11); "mma" those of 2 to `MAX_ROWS`
+    rows the tensor-core kernel takes (`mma_takes`), staged; "1" every one that fits."""
     return _env_choice(DENSE_ENV, DENSE_MODES) if enabled() else "0"
+
+
+def _dense_mma(rows: int, K: int, dtype: mx.Dtype, w: Weight) -> bool:
+    return (
+        dense_mode() == "mma"
+        and rows >= 2
+        and mma_takes(rows, K, dtype, w)
+        and stage_chunk(rows, K, dtype, w) > 0
+    )
 
 
 def dense_takes(x: mx.array, w: Weight) -> bool:
@@ -392,7 +495,10 @@ def dense_takes(x: mx.array, w: Weight) -> bool:
     mode = dense_mode()
     if mode == "0" or not fits(x, w):
         return False
-    return mode == "1" or x.size // x.shape[-1] >= 2
+    rows = x.size // x.shape[-1]
+    if mode == "mma":
+        return _dense_mma(rows, x.shape[-1], x.dtype, w)
+    return mode == "1" or rows >= 2
 
 
 def prologue_enabled() -> bool:
@@ -526,6 +632,37 @@ def takes_prologue(rows: int, K: int, dtype: mx.Dtype, w: Weight, kind: str = "a
 STAGED_SPLIT_ENV = "SLOTSERVE_GEMV_STAGED_SPLIT"
 SMS = 132  # the H200's multiprocessors
 
+MMA_ENV = "SLOTSERVE_GEMV_MMA"
+MMA_OUTS = 16  # outputs a warp of the tensor-core kernel owns (the fragment's 16 rows)
+MMA_WARPS = 1024  # "auto" splits K until a product has this many warps (or 8 a group)
+MMA_UNROLL_ENV = "SLOTSERVE_GEMV_MMA_UNROLL"
+
+
+def mma_takes(rows: int, K: int, dtype: mx.Dtype, w: Weight) -> bool:
+    """Whether a staged product runs on tensor cores (`_MMA_SOURCE`; SLOTSERVE_GEMV_MMA,
+    "1" by default, "0" for the kernel above): float weights of 2 bytes in x's dtype (bf16
+    or f16, the fragments' types) and K in whole rounds of 32 values. Needs sm_80 or later."""
+    return (
+        _env_choice(MMA_ENV, ("1", "0")) == "1"
+        and not isinstance(w, QuantizedWeight)
+        and dtype in (mx.bfloat16, mx.float16)
+        and w.dtype == dtype
+        and K % 32 == 0
+        and 1 <= rows <= MAX_ROWS
+    )
+
+
+def mma_split(n_out: int, K: int) -> int:
+    """Warps sharing K for the tensor-core kernel, "auto": the fewest of 1, 2, 4, 8 that give
+    the product `MMA_WARPS` warps of 16 outputs, but no more than leave each warp 8 rounds
+    of 32 values (an 8-row product's warp streams 1 KiB a round: fewer warps, more loads
+    each, until the rounds run out)."""
+    warps = -(-n_out // MMA_OUTS)
+    split = 1
+    while split < 8 and warps * split < MMA_WARPS and K // (32 * 2 * split) >= 8:
+        split *= 2
+    return split
+
 
 def staged_split(n_out: int, outs: int) -> int:
     """Warps per output group sharing K in the staged kernel (SLOTSERVE_GEMV_STAGED_SPLIT):
@@ -538,6 +675,13 @@ def staged_split(n_out: int, outs: int) -> int:
     if mode == "auto":
         return 4 if -(-n_out // (outs * STAGED_GROUPS)) < SMS else 1
     return int(mode)
+
+
+def _staged_split(n_out: int, outs: int, K: int, mma: bool) -> int:
+    """`staged_split`, whose "auto" for the tensor-core kernel is `mma_split`."""
+    if mma and _env_choice(STAGED_SPLIT_ENV, ("auto", "1", "2", "4", "8")) == "auto":
+        return mma_split(n_out, K)
+    return staged_split(n_out, outs)
 
 
 STAGE_AHEAD_ENV = "SLOTSERVE_GEMV_STAGE_AHEAD"
@@ -574,16 +718,24 @@ def split_for(rows: int, n_out: int, outs: int) -> int:
 
 
 def gemv_cuda(
-    x: mx.array, w: Weight, outs: int = 4, unroll: int | None = None, split: int | None = None
+    x: mx.array,
+    w: Weight,
+    outs: int = 4,
+    unroll: int | None = None,
+    split: int | None = None,
+    staged: bool | None = None,
 ) -> mx.array:
     """`x @ W.T` for `x` `[..., K]` with at most `MAX_ROWS` rows and `W` `(N, K)` (float in
     x's dtype, or affine-quantized), in x's dtype; `fits(x, w)` must hold. Tuning knobs
     (`bench/gemv_bench.py`): `outs` outputs per block, `unroll` rounds of loads in flight,
-    `split` warps per block sharing the outputs' K (None: `split_for`)."""
+    `split` warps per block sharing the outputs' K (None: `split_for`); `staged`: through
+    the staged kernel (None: where SLOTSERVE_FUSED_GEMV_DENSE=mma sends it, on tensor cores)."""
     if not fits(x, w):
         raise ValueError(f"gemv_cuda: x {x.shape} {x.dtype} does not fit this kernel's layouts")
     R, K = x.size // x.shape[-1], x.shape[-1]
-    (out,) = _launch(_PLAIN, [x.reshape(R, K)], w, R, outs, unroll, split)
+    if staged is None:
+        staged = _dense_mma(R, K, x.dtype, w)
+    (out,) = _launch(_PLAIN, [x.reshape(R, K)], w, R, outs, unroll, split, staged=staged)
     return out.reshape(*x.shape[:-1], w.shape[0])
 
 
@@ -644,16 +796,21 @@ def _launch(
 ) -> list[mx.array]:
     N = w.shape[0]
     K = inputs[0].shape[1] // (2 if pro == _SWIGLU else 1)
-    kind = "add_norm" if pro == _ADD_NORM else "swiglu"
+    kind = "add_norm" if pro == _ADD_NORM else "swiglu"  # (a plain product chunks as SwiGLU)
+    mma = staged and mma_takes(R, K, inputs[0].dtype, w)
+    if mma:
+        outs = MMA_OUTS
     if split is None and staged:
-        split = staged_split(N, outs)
+        split = _staged_split(N, outs, K, mma)
         # a split whose round of loads is wider than a chunk that fits the stage: one warp
         split = split if stage_chunk(R, K, inputs[0].dtype, w, kind, split) else 1
     elif split is None:
         split = split_for(R, N, outs)
+    if mma:
+        unroll = unroll or _env_int(MMA_UNROLL_ENV, (4, 1, 2, 8))
     unroll = unroll or (_env_int(STAGED_UNROLL_ENV, (1, 2, 4)) if staged else 1)
     groups = max(1, STAGED_GROUPS // split) if staged else 1  # at most 256 threads a block
-    if not (outs >= 1 and R * outs <= 32 and unroll >= 1 and 1 <= split * groups <= 32):
+    if not (outs >= 1 and (mma or R * outs <= 32) and unroll >= 1 and 1 <= split * groups <= 32):
         raise ValueError(
             f"gemv_cuda: no kernel for {R} rows, outs={outs} unroll={unroll} split={split}"
         )
@@ -669,17 +826,23 @@ def _launch(
         extra = [("W", w.dtype)]
     outputs = ["out", "h"] if pro == _ADD_NORM else ["out"]
     dtype = inputs[0].dtype
-    source = _source(names, pro, eps, staged)
+    source = _source(names, pro, eps, staged, mma)
     variant = f"{','.join(names)}|{pro}|{eps!r}"
     if staged:  # dynamic shared memory is the kernel's, not the launch's: bucket it
         chunk = stage_chunk(R, K, dtype, w, kind, split)
         if not chunk:
             raise ValueError(f"gemv_cuda: {R} rows of {K} do not fit the stage")
-        stage = -(-R * chunk * dtype.size // 4096) * 4096  # (CUDA's limit without opting in)
+        need = R * chunk * dtype.size
+        if mma:  # the warps' sums meet in the stage after the last chunk
+            need = max(need, split * groups * 32 * 4 * 4)
+        stage = -(-need // 4096) * 4096  # (CUDA's limit without opting in)
+        family = "gemv_mma" if mma else "gemv_staged"
         variant += f"|staged {stage}"
-        kernel = cached_kernel("gemv_staged", variant, names, outputs, source, shared_memory=stage)
+        kernel = cached_kernel(family, variant, names, outputs, source, shared_memory=stage)
         ahead = R if _env_choice(STAGE_AHEAD_ENV, ("1", "rows")) == "rows" else 1
         extra += [("G", groups), ("KC", chunk), ("RA", ahead)]
+        if mma:
+            extra.append(("BF", int(dtype == mx.bfloat16)))
     else:
         kernel = cached_kernel("gemv", variant, names, outputs, source)
     return list(
@@ -703,10 +866,12 @@ def _launch(
     )
 
 
-def _source(names: list[str], pro: int = _PLAIN, eps: float = 0.0, staged: bool = False) -> str:
+def _source(
+    names: list[str], pro: int = _PLAIN, eps: float = 0.0, staged: bool = False, mma: bool = False
+) -> str:
     """The kernel body for one prologue: the inputs it does not take stand as null pointers
     (a float weight has no scales to read, and its own type `W`); `staged`: the kernel that
-    makes its input rows once per block in shared memory."""
+    makes its input rows once per block in shared memory; `mma`: its tensor-core form."""
     lines = [f"    constexpr int PRO = {pro};", f"    constexpr float EPS = {eps!r}f;"]
     if "scales" in names:
         lines.append("    using W = unsigned char;")
@@ -718,4 +883,5 @@ def _source(names: list[str], pro: int = _PLAIN, eps: float = 0.0, staged: bool 
         ]
     if "m" not in names:
         lines.append("    const T* m = nullptr; const float* nw = nullptr; T* h = nullptr;")
-    return "\n".join(lines) + "\n" + (_STAGED_SOURCE if staged else _SOURCE)
+    body = _MMA_SOURCE if mma else _STAGED_SOURCE if staged else _SOURCE
+    return "\n".join(lines) + "\n" + body
