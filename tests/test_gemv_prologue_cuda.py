@@ -43,20 +43,21 @@ def test_a_model_through_the_prologues_matches_the_portable_path(
     assert_as_close_as(two_steps(path, prompts=prompts), portable, on_cpu(path, prompts=prompts))
 
 
-@pytest.mark.parametrize("mma", ["1", "0"])
 def test_a_bf16_model_through_the_tensor_core_products(
-    make_model: Callable[..., Path], mma: str, monkeypatch: pytest.MonkeyPatch
+    make_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The staged products at 2-8 rows on tensor cores (SLOTSERVE_GEMV_MMA=1, the default)
-    hold a bf16 model as close to the CPU as the portable path does; so does the kernel
-    they replace ("0")."""
+    """A bf16 model's staged products at 2-8 rows on tensor cores (SLOTSERVE_GEMV_MMA=1, the
+    default; its plain products there too) stay as close to the float32 CPU result as with
+    the CUDA-core kernel they replace: bf16's rounding is the noise, a wrong fragment or row
+    is off by O(1). (Against the bf16 portable path a fused one cannot be held so: that path
+    and the CPU's round at the same places and agree to the bit where the fused ones do not.)"""
     path = make_model("tiny", quant="f32")
-    monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "0")
-    portable = two_steps(path, dtype=mx.bfloat16)
-    monkeypatch.setenv("SLOTSERVE_FUSED_GEMV_PROLOGUE", "1")
-    monkeypatch.setenv(gemv_cuda.MMA_ENV, mma)
-    fused = two_steps(path, dtype=mx.bfloat16)
-    assert_as_close_as(fused, portable, on_cpu(path, dtype=mx.bfloat16))
+    monkeypatch.setenv(gemv_cuda.MMA_ENV, "0")
+    cuda_cores = two_steps(path, dtype=mx.bfloat16)
+    monkeypatch.setenv(gemv_cuda.MMA_ENV, "1")
+    monkeypatch.setenv(gemv_cuda.DENSE_ENV, "mma")
+    tensor_cores = two_steps(path, dtype=mx.bfloat16)
+    assert_as_close_as(tensor_cores, cuda_cores, on_cpu(path))
 
 
 def _weight(kind: str, N: int, K: int, dtype: mx.Dtype) -> Weight:
@@ -200,8 +201,11 @@ def _both_products(w: Weight, a: dict[str, mx.array], whole: bool = True) -> lis
     return out
 
 
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-@pytest.mark.parametrize(("R", "K", "N"), MMA_CASES)
+@pytest.mark.parametrize(
+    ("R", "K", "N", "dtype"),
+    [(*case, mx.bfloat16) for case in MMA_CASES]
+    + [(*case, mx.float16) for case in (MMA_CASES[0], MMA_CASES[3])],
+)
 def test_tensor_core_products_match_float32(
     R: int, K: int, N: int, dtype: mx.Dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -228,13 +232,13 @@ def test_tensor_core_products_match_float32(
         assert out.shape == (R, N) and err <= 2e-2 * max(np.abs(want).max(), 1.0), err
 
 
-@pytest.mark.parametrize(("K", "N"), [(1024, 7168), (3584, 1024), (96, 40)])
+@pytest.mark.parametrize(("K", "N"), [(1024, 1000), (3584, 1024)])
 def test_a_tensor_core_row_is_the_same_whatever_rows_share_its_launch(
     K: int, N: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An output is one weight row against one column of x: a row's result is bit for bit
-    the same alone, among 1-8 rows, and beside other rows' values (3584 wide: whole in the
-    stage up to 6 rows, in chunks at 7 and 8) — batch invariance at decode sizes."""
+    the same alone, among 2, 5 or 8 rows, and beside other rows' values — batch invariance
+    at decode sizes."""
     monkeypatch.setenv(gemv_cuda.STAGED_ENV, "1")
     dtype = mx.bfloat16
     w = _weight("float", N, K, dtype)
@@ -242,7 +246,7 @@ def test_a_tensor_core_row_is_the_same_whatever_rows_share_its_launch(
     whole = 8 * K * dtype.size <= gemv_cuda.STAGE_MAX_BYTES
     want = _both_products(w, a8, whole)
     other = {k: v + 1 for k, v in _prologue_inputs(8, K, dtype).items()}
-    for R in range(1, 9):
+    for R in (1, 2, 5):
         first = {k: v if k == "norm" else v[:R] for k, v in a8.items()}
         for got, full in zip(_both_products(w, first, whole), want, strict=True):
             assert bool(mx.array_equal(got, full[:R])), R

@@ -45,8 +45,8 @@
 # Session 19 (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
 # tree), q2 (carry .gpu_b .gpu_llama): MLX, the 0.8B, llama.cpp's build started; the tensor-core
 # staged products' GPU tests (cores 11-15 beside the build), timelines at N = 8 with them on,
-# off, and on for the plain products too; q3: tokens/s at N = 8, the three in turn, three
-# times (pinned, decode-ahead); q4: the suite (p3).
+# off, and on for the plain products too; q3: tokens/s at N = 8, the three in turn, twice
+# (pinned, decode-ahead); q4 (carry .gpu_w): the suite at N = 1, 8, 32 without the 9B.
 set -u
 M=/tmp/models
 L=/tmp/llama/llama.cpp/build/bin/llama-batched-bench
@@ -98,7 +98,7 @@ q2)  # MLX, the 0.8B, llama.cpp's build; the tensor-core products' tests and tim
   tail -n 12 "$OUT/q2_tests.txt"
   for v in mma:1:0 fma:0:0 mmad:1:mma; do
     IFS=: read name mma dense <<< "$v"
-    SLOTSERVE_GEMV_MMA=$mma SLOTSERVE_FUSED_GEMV_DENSE=$dense taskset -c 11-15 timeout 60 \
+    SLOTSERVE_GEMV_MMA=$mma SLOTSERVE_FUSED_GEMV_DENSE=$dense taskset -c 11-15 timeout 100 \
       python3 bench/gpu_timeline.py --model-dir $M --n 8 --json "$OUT/q2_tl_$name.json" \
       --trace-dir /tmp/trace > "$OUT/q2_tl_$name.md" 2>&1
     echo "== $name"; grep -E "^N=|gemv|nvjet" "$OUT/q2_tl_$name.md" | head -8
@@ -111,9 +111,14 @@ q3)  # tokens/s at N = 8: tensor cores on, off, on for the plain products too; i
     --setting mmad_1:SLOTSERVE_FUSED_GEMV_DENSE=mma,ARGS=--overlap \
     --setting fma_2:SLOTSERVE_GEMV_MMA=0,ARGS=--overlap --setting mma_2:ARGS=--overlap \
     --setting mmad_2:SLOTSERVE_FUSED_GEMV_DENSE=mma,ARGS=--overlap \
-    --setting mmad_3:SLOTSERVE_FUSED_GEMV_DENSE=mma,ARGS=--overlap \
-    --setting mma_3:ARGS=--overlap --setting fma_3:SLOTSERVE_GEMV_MMA=0,ARGS=--overlap \
     > "$OUT/q3_sweep.md" 2>&1; tail -n 14 "$OUT/q3_sweep.md" ;;
+q4)  # carry .gpu_w: the suite at N = 1, 8, 32 (0.8B only), pinned, one sample
+  for i in $(seq 60); do [ -f /tmp/llama/rc ] && break; sleep 5; done; cat /tmp/llama/rc
+  mkdir -p "$OUT/suite"
+  OUT=$OUT/suite taskset -c ${CPUS:-0-7} timeout ${TS:-500} python3 bench/gpu_suite.py --model-dir $M \
+    --llama-batched-bench $L --wheels .gpu_w/wheels --ns ${SNS:-1,8,32} --budget-s 1 \
+    --big-needs-s 1000 --reps 1 --steps 32 --ahead > "$OUT/q4_suite.log" 2>&1
+  tail -n 30 "$OUT/suite/gpu_suite.md" ;;
 m1)
   bash "$0" l1 ;;
 m2)

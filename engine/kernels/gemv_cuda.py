@@ -400,29 +400,69 @@ _MMA_ACC = """\
     };
 """
 
-# One staged chunk's products: the group's warps take its rounds of 32 values in turn, U
-# rounds' loads in flight (a chunk and K are whole rounds, so a warp's lanes run the same
-# rounds and meet `mma.sync` together).
-_MMA_PRODUCT = """\
+# The weights' loads: lane (g, t)'s 16 bytes of rows g and g + 8 for U rounds from k0 (none
+# past K_HI). They depend on nothing the block makes, so a chunk's first rounds are asked
+# for before the block stages its rows, and every later U rounds while the last are used.
+_MMA_LOADS = """\
     constexpr long MSTRIDE = 32L * SPLIT;  // values of K one round of the group covers
-    for (long k0 = K_LO + long(warp) * 32 + t * 8; k0 < K_HI; k0 += MSTRIDE * U) {
-        uint4 wa[U], wb[U];
+    auto load_w = [&](uint4 (&a)[U], uint4 (&b)[U], long k0, long K_HI) {
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             const long k = k0 + u * MSTRIDE;
             if (k < K_HI) {
-                wa[u] = __ldg(reinterpret_cast<const uint4*>(base + (ra * K + k) * 2));
-                wb[u] = __ldg(reinterpret_cast<const uint4*>(base + (rb * K + k) * 2));
+                a[u] = __ldg(reinterpret_cast<const uint4*>(base + (ra * K + k) * 2));
+                b[u] = __ldg(reinterpret_cast<const uint4*>(base + (rb * K + k) * 2));
             }
         }
+    };
+    uint4 wa[U], wb[U];
+"""
+
+# Row g's 8 values of x from k on, as the prologue makes them: from the stage (add + RMSNorm,
+# whose norm needs whole rows first), or (DIRECT: a plain or SwiGLU product) read and made
+# here — no stage to wait for; each value is made by one lane of each warp that meets it,
+# through the caches, rounded where the separate kernels round.
+_MMA_X = """\
+    auto x_frag = [&](long k, long K_LO) {
+        uint4 xb = make_uint4(0u, 0u, 0u, 0u);
+        if (g >= R) return xb;  // rows past R: zeros
+        if (!DIRECT) {
+            xb = *reinterpret_cast<const uint4*>(xs + g * KC + (k - K_LO));
+        } else if (PRO == 2) {
+            const uint4 gu = __ldg(reinterpret_cast<const uint4*>(x + g * 2 * K + k));
+            const uint4 uu = __ldg(reinterpret_cast<const uint4*>(x + g * 2 * K + K + k));
+            #pragma unroll
+            for (int e = 0; e < XV; ++e) {
+                const float gv = static_cast<float>(reinterpret_cast<const T*>(&gu)[e]);
+                const float uv = static_cast<float>(reinterpret_cast<const T*>(&uu)[e]);
+                reinterpret_cast<T*>(&xb)[e] = static_cast<T>(gv / (1.0f + expf(-gv)) * uv);
+            }
+        } else {
+            xb = __ldg(reinterpret_cast<const uint4*>(x + g * K + k));
+        }
+        return xb;
+    };
+"""
+
+# One chunk's products (its first U rounds already loaded into wa, wb): the group's warps take
+# its rounds of 32 values in turn (a chunk and K are whole rounds, so a warp's lanes run the
+# same rounds and meet `mma.sync` together), the next U rounds' loads in flight meanwhile.
+_MMA_PRODUCT = """\
+    for (long k0 = K_LO + long(warp) * 32 + t * 8; k0 < K_HI; k0 += MSTRIDE * U) {
+        uint4 na[U], nb[U];
+        load_w(na, nb, k0 + MSTRIDE * U, K_HI);
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             const long k = k0 + u * MSTRIDE;
             if (k >= K_HI) break;
-            uint4 xb = make_uint4(0u, 0u, 0u, 0u);
-            if (g < R) xb = *reinterpret_cast<const uint4*>(xs + g * KC + (k - K_LO));
+            const uint4 xb = x_frag(k, K_LO);
             mma(wa[u].x, wb[u].x, wa[u].y, wb[u].y, xb.x, xb.y);
             mma(wa[u].z, wb[u].z, wa[u].w, wb[u].w, xb.z, xb.w);
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            wa[u] = na[u];
+            wb[u] = nb[u];
         }
     }
 """
@@ -452,11 +492,16 @@ _MMA_TAIL = """\
 _MMA_SOURCE = (
     _STAGED_HEAD
     + _MMA_ACC
+    + _MMA_LOADS
+    + _MMA_X
     + "    for (long K_LO = 0; K_LO < K; K_LO += KC) {\n"
     + "    const long K_HI = K_LO + KC < K ? K_LO + KC : K;\n"
+    + "    load_w(wa, wb, K_LO + long(warp) * 32 + t * 8, K_HI);\n"
+    + "    if (!DIRECT) {\n"
     + _STAGED_CHUNK
+    + "    }\n"
     + _MMA_PRODUCT
-    + "    __syncthreads();  // every group done with the chunk before the next is staged\n"
+    + "    if (!DIRECT) __syncthreads();  // every group done with the chunk before the next\n"
     + "    }\n"
     + _MMA_TAIL
 )
@@ -481,12 +526,16 @@ def dense_mode() -> str:
     return _env_choice(DENSE_ENV, DENSE_MODES) if enabled() else "0"
 
 
+MMA_DENSE_MAX_OUT = 16384  # wider plain products stay with cuBLASLt: the 0.8B's LM head at
+# 8 rows read 508 MB in 125 us there, 147 in the first tensor-core kernel (session 19)
+
+
 def _dense_mma(rows: int, K: int, dtype: mx.Dtype, w: Weight) -> bool:
     return (
         dense_mode() == "mma"
         and rows >= 2
+        and w.shape[0] < MMA_DENSE_MAX_OUT
         and mma_takes(rows, K, dtype, w)
-        and stage_chunk(rows, K, dtype, w) > 0
     )
 
 
@@ -798,12 +847,13 @@ def _launch(
     K = inputs[0].shape[1] // (2 if pro == _SWIGLU else 1)
     kind = "add_norm" if pro == _ADD_NORM else "swiglu"  # (a plain product chunks as SwiGLU)
     mma = staged and mma_takes(R, K, inputs[0].dtype, w)
+    direct = mma and pro != _ADD_NORM  # x read in the product: nothing staged
     if mma:
         outs = MMA_OUTS
     if split is None and staged:
         split = _staged_split(N, outs, K, mma)
         # a split whose round of loads is wider than a chunk that fits the stage: one warp
-        split = split if stage_chunk(R, K, inputs[0].dtype, w, kind, split) else 1
+        split = split if direct or stage_chunk(R, K, inputs[0].dtype, w, kind, split) else 1
     elif split is None:
         split = split_for(R, N, outs)
     if mma:
@@ -829,20 +879,21 @@ def _launch(
     source = _source(names, pro, eps, staged, mma)
     variant = f"{','.join(names)}|{pro}|{eps!r}"
     if staged:  # dynamic shared memory is the kernel's, not the launch's: bucket it
-        chunk = stage_chunk(R, K, dtype, w, kind, split)
+        chunk = K if direct else stage_chunk(R, K, dtype, w, kind, split)
         if not chunk:
             raise ValueError(f"gemv_cuda: {R} rows of {K} do not fit the stage")
-        need = R * chunk * dtype.size
+        need = 0 if direct else R * chunk * dtype.size
         if mma:  # the warps' sums meet in the stage after the last chunk
             need = max(need, split * groups * 32 * 4 * 4)
         stage = -(-need // 4096) * 4096  # (CUDA's limit without opting in)
         family = "gemv_mma" if mma else "gemv_staged"
         variant += f"|staged {stage}"
         kernel = cached_kernel(family, variant, names, outputs, source, shared_memory=stage)
-        ahead = R if _env_choice(STAGE_AHEAD_ENV, ("1", "rows")) == "rows" else 1
+        # (the tensor-core kernel's weights are in flight meanwhile: its rows all at once)
+        ahead = R if mma or _env_choice(STAGE_AHEAD_ENV, ("1", "rows")) == "rows" else 1
         extra += [("G", groups), ("KC", chunk), ("RA", ahead)]
         if mma:
-            extra.append(("BF", int(dtype == mx.bfloat16)))
+            extra += [("BF", int(dtype == mx.bfloat16)), ("DIRECT", int(direct))]
     else:
         kernel = cached_kernel("gemv", variant, names, outputs, source)
     return list(
