@@ -42,7 +42,12 @@
 # pool store, timelines at N = 8, 64 on 4 cores the build leaves; m3 (carry .gpu_before: a
 # `git archive` of 56f9f7b, before the vectorized stack and the K/V store): before / after
 # in turn, decode-ahead, pinned, N = 8 and 64, twice; m4: the suite (p3).
-# Session 19 (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
+# Session 19 ran two leases: l1, q2 (the first kernel: its timelines; tests cut by the limit),
+# then l1, q2, q3, q4, q4 again (SNS=1,8 into $OUT/b): PERFORMANCE.md "Session 19".
+# Next lease: l1, q2 with the next tensor-core changes (the SwiGLU down product's warps and
+# the add + RMSNorm products' stage), q3, q4 twice, alternated with MMA=0 where the host's
+# mode allows a comparison (record graph-building ms beside every tokens/s).
+# Session 19's plan (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
 # tree), q2 (carry .gpu_b .gpu_llama): MLX, the 0.8B, llama.cpp's build started; the tensor-core
 # staged products' GPU tests (cores 11-15 beside the build), timelines at N = 8 with them on,
 # off, and on for the plain products too; q3: tokens/s at N = 8, the three in turn, twice
