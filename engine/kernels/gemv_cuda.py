@@ -12,6 +12,10 @@ operations, not the slower int-to-float conversion — accumulates in f32 agains
 it needs (read through the cache, shared by all warps), reduces across its lanes, and the
 block's warps add their sums through shared memory. A quantized group contributes
 `scale * sum(q * x) + bias * sum(x)`.
+
+Products of 2 to `MAX_ROWS` rows with 16-bit float weights run on tensor cores instead
+(`_MMA_SOURCE`, `mma_takes`): there the FMAs per weight value, not the memory, bound the
+kernel above (docs/PERFORMANCE.md, session 19).
 """
 
 from __future__ import annotations
@@ -374,7 +378,7 @@ _STAGED_SOURCE = (
 # ~0.4: the H200's issue rate, not its memory, bound them). Here a warp owns 16 outputs and
 # multiplies them by up to 8 rows with `mma.sync` m16n8k16 (bf16 or f16 in, f32 sums): lane
 # (g, t) = (lane / 4, lane % 4) loads 16 bytes of output rows g and g + 8 at K offset 8t of the
-# warp's 32 values, and its row g of x's same 8 values from the stage; the two products of a
+# warp's 32 values, and the same 8 values of x's row g (`_MMA_X`); the two products of a
 # round take those 8 values 4 at a time as the fragments' k = 2t, 2t + 1, 2t + 8, 2t + 9 — a
 # permutation of K that A and B share, so the sum is over the same products. An output is
 # a row of A against a column of B: no other row of x enters it, so a row's result is the
@@ -522,7 +526,9 @@ def dense_mode() -> str:
     one launch; "rows" those of 2 to `MAX_ROWS` rows, where MLX goes to cuBLASLt, whose
     split-K products are two launches (a 0.8B-shaped bf16 step at N = 8 launched 24
     split-K reductions beside its 48 products: session 11); "mma" those of 2 to `MAX_ROWS`
-    rows the tensor-core kernel takes (`mma_takes`), staged; "1" every one that fits."""
+    rows the tensor-core kernel takes (`mma_takes`) but the widest (`MMA_DENSE_MAX_OUT`) —
+    as fast as cuBLASLt on the 0.8B's out projections (session 19), so not the default;
+    "1" every one that fits."""
     return _env_choice(DENSE_ENV, DENSE_MODES) if enabled() else "0"
 
 
@@ -679,6 +685,7 @@ def takes_prologue(rows: int, K: int, dtype: mx.Dtype, w: Weight, kind: str = "a
 
 
 STAGED_SPLIT_ENV = "SLOTSERVE_GEMV_STAGED_SPLIT"
+SPLITS = ("auto", "1", "2", "4", "8", "16")  # (16: one group of 16 warps a block)
 SMS = 132  # the H200's multiprocessors
 
 MMA_ENV = "SLOTSERVE_GEMV_MMA"
@@ -719,8 +726,9 @@ def staged_split(n_out: int, outs: int) -> int:
     multiprocessors, else 1 — the 0.8B's 1024-output down projection at 8 rows made 32
     blocks and read its 7.3 MB at ~0.2 TB/s, 34 us a launch; with 4 warps a group, 128
     blocks, 20 us (H200 timelines, docs/PERFORMANCE.md session 14: the 8-row step's kernels
-    2.70 -> 2.24 ms); or "1", 2, 4, 8 for every staged product."""
-    mode = _env_choice(STAGED_SPLIT_ENV, ("auto", "1", "2", "4", "8"))
+    2.70 -> 2.24 ms); or "1", 2, 4, 8, 16 for every staged product (the tensor-core
+    kernel's "auto" is `mma_split`)."""
+    mode = _env_choice(STAGED_SPLIT_ENV, SPLITS)
     if mode == "auto":
         return 4 if -(-n_out // (outs * STAGED_GROUPS)) < SMS else 1
     return int(mode)
@@ -728,7 +736,7 @@ def staged_split(n_out: int, outs: int) -> int:
 
 def _staged_split(n_out: int, outs: int, K: int, mma: bool) -> int:
     """`staged_split`, whose "auto" for the tensor-core kernel is `mma_split`."""
-    if mma and _env_choice(STAGED_SPLIT_ENV, ("auto", "1", "2", "4", "8")) == "auto":
+    if mma and _env_choice(STAGED_SPLIT_ENV, SPLITS) == "auto":
         return mma_split(n_out, K)
     return staged_split(n_out, outs)
 
