@@ -77,6 +77,7 @@ def summarize_trace(events: list[dict[str, Any]], top: int = 12) -> dict[str, An
     per_step: list[dict[str, float]] = []
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     shapes: dict[str, collections.Counter[str]] = defaultdict(collections.Counter)
+    resources: dict[str, dict[str, float | None]] = {}
     by_call: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     ks: list[dict[str, Any]] = []
     for a, b in steps:
@@ -108,6 +109,8 @@ def summarize_trace(events: list[dict[str, Any]], top: int = 12) -> dict[str, An
             entry[0] += 1
             entry[1] += k["dur"]
             shapes[name][launch_shape(k)] += 1
+            if resources.get(name, {}).get("regs") is None:  # (the first that says)
+                resources[name] = launch_resources(k)
         for e in calls:
             call = by_call[e["name"]]
             call[0] += 1
@@ -129,6 +132,7 @@ def summarize_trace(events: list[dict[str, Any]], top: int = 12) -> dict[str, An
                 "us_per_step": t / n,
                 "us_each": t / max(c, 1),
                 "grid": shapes[name].most_common(1)[0][0],
+                **resources[name],
             }
             for name, (c, t) in ranked
         ],
@@ -138,9 +142,26 @@ def summarize_trace(events: list[dict[str, Any]], top: int = 12) -> dict[str, An
         ],
         # every kernel of the last step in order: what a name hides
         "last_step": [
-            {"kernel": short_name(k["name"]), "us": k["dur"], "grid": launch_shape(k)}
+            {
+                "kernel": short_name(k["name"]),
+                "us": k["dur"],
+                "grid": launch_shape(k),
+                **launch_resources(k),
+            }
             for k in sorted(ks, key=lambda k: k["ts"])
         ],
+    }
+
+
+def launch_resources(kernel: dict[str, Any]) -> dict[str, float | None]:
+    """What a launch holds on a multiprocessor (CUPTI's args, where the trace has them):
+    registers a thread, shared memory a block (bytes), the estimated achieved occupancy (%)
+    — whether a kernel's warps can be many enough to keep loads in flight."""
+    args = kernel.get("args", {})
+    return {
+        "regs": args.get("registers per thread"),
+        "smem": args.get("shared memory"),
+        "occupancy": args.get("est. achieved occupancy %"),
     }
 
 
@@ -215,6 +236,10 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     return out_all
 
 
+def _or_dash(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
 def format_summary(n: int, s: dict[str, Any]) -> str:
     lines = [
         f"N={n}: step {s.get('wall_us', 0) / 1e3:.2f} ms under the profiler "
@@ -225,12 +250,13 @@ def format_summary(n: int, s: dict[str, Any]) -> str:
         f"{s.get('graph_launches', 0):.0f} graph launches, "
         f"{s.get('kernel_launches', 0):.0f} direct launches; host: {s.get('api_us', 0) / 1e3:.2f} "
         f"ms in CUDA's API, {s.get('launch_gap_us', 0):.1f} us from launch to launch",
-        f"  {'kernel':60s} {'per step':>8s} {'us/step':>9s} {'us each':>8s}  grid x block",
+        f"  {'kernel':60s} {'per step':>8s} {'us/step':>9s} {'us each':>8s}  grid x block"
+        "  regs occupancy",
     ]
     for t in s["top"]:
         lines.append(
             f"  {t['kernel']:60s} {t['per_step']:8.1f} {t['us_per_step']:9.1f} {t['us_each']:8.2f}"
-            f"  {t['grid']}"
+            f"  {t['grid']}  {_or_dash(t.get('regs'))} {_or_dash(t.get('occupancy'))}"
         )
     lines.append(f"  {'CUDA API call':60s} {'per step':>8s} {'us/step':>9s}")
     for c in s.get("api", []):

@@ -40,7 +40,16 @@ def test_steps_count_their_own_kernels_gaps_and_launches() -> None:
         _x("cuda_driver", "cuLaunchKernel", 104, 1),
         _x("cuda_driver", "cuLaunchKernel", 111, 2),
         _x("cuda_runtime", "cudaEventRecord", 120, 4),
-        {**_x("kernel", "norm", 110, 30), "args": {"grid": [8, 1, 1], "block": [256, 1, 1]}},
+        {
+            **_x("kernel", "norm", 110, 30),
+            "args": {
+                "grid": [8, 1, 1],
+                "block": [256, 1, 1],
+                "registers per thread": 96,
+                "shared memory": 16384,
+                "est. achieved occupancy %": 12,
+            },
+        },
         _x("kernel", "outside", 200, 5),
         {"ph": "i", "cat": "kernel", "name": "instant", "ts": 12},
     ]
@@ -62,8 +71,13 @@ def test_steps_count_their_own_kernels_gaps_and_launches() -> None:
     assert calls["cudaEventRecord"]["us_per_step"] == 2
     assert [k["kernel"] for k in s["last_step"]] == ["norm"]
     assert s["last_step"][0]["grid"] == "[8,1,1]x[256,1,1]"
+    # what a launch holds on a multiprocessor, where CUPTI's args say it
+    assert (s["last_step"][0]["regs"], s["last_step"][0]["smem"]) == (96, 16384)
+    assert s["last_step"][0]["occupancy"] == 12
     top = {t["kernel"]: t for t in s["top"]}
     assert set(top) == {"gemv", "norm"}
     assert top["gemv"]["per_step"] == 1.0 and top["gemv"]["us_each"] == 20
     assert top["norm"]["us_per_step"] == 20 and top["norm"]["us_each"] == 20
     assert top["norm"]["grid"] == "[8,1,1]x[256,1,1]" and top["gemv"]["grid"] == "?x?"
+    assert top["gemv"]["regs"] is None  # (its events have no args)
+    assert top["norm"]["regs"] == 96 and top["norm"]["occupancy"] == 12
