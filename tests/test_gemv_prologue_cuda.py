@@ -259,16 +259,23 @@ def test_a_tensor_core_row_is_the_same_whatever_rows_share_its_launch(
 
 
 def test_tensor_core_loads_ahead_change_no_value(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SLOTSERVE_GEMV_MMA_UNROLL and SLOTSERVE_GEMV_STAGE_AHEAD move loads, not sums."""
+    """SLOTSERVE_GEMV_MMA_UNROLL, SLOTSERVE_GEMV_STAGE_AHEAD and SLOTSERVE_GEMV_MMA_DIRECT
+    move loads (and where x is made), not sums."""
     monkeypatch.setenv(gemv_cuda.STAGED_ENV, "1")
     w = _weight("float", 1000, 3584, mx.bfloat16)
     a = _prologue_inputs(8, 3584, mx.bfloat16)
     want = _both_products(w, a, whole=False)
-    for ahead, unroll in [("rows", "4"), ("1", "1"), ("1", "2"), ("rows", "8")]:
+    for ahead, unroll, direct in [
+        ("rows", "4", "0"),
+        ("1", "1", "1"),
+        ("1", "2", "0"),
+        ("rows", "8", "1"),
+    ]:
         monkeypatch.setenv(gemv_cuda.STAGE_AHEAD_ENV, ahead)
         monkeypatch.setenv(gemv_cuda.MMA_UNROLL_ENV, unroll)
+        monkeypatch.setenv(gemv_cuda.MMA_DIRECT_ENV, direct)  # x staged (in chunks) or not
         for g, wt in zip(_both_products(w, a, whole=False), want, strict=True):
-            assert bool(mx.array_equal(g, wt)), (ahead, unroll)
+            assert bool(mx.array_equal(g, wt)), (ahead, unroll, direct)
 
 
 def test_routing_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,9 +44,11 @@
 # in turn, decode-ahead, pinned, N = 8 and 64, twice; m4: the suite (p3).
 # Session 19 ran two leases: l1, q2 (the first kernel: its timelines; tests cut by the limit),
 # then l1, q2, q3, q4, q4 again (SNS=1,8 into $OUT/b): PERFORMANCE.md "Session 19".
-# Next lease: l1, q2 with the next tensor-core changes (the SwiGLU down product's warps and
-# the add + RMSNorm products' stage), q3, q4 twice, alternated with MMA=0 where the host's
-# mode allows a comparison (record graph-building ms beside every tokens/s).
+# Next lease: l1, q2 (its tests: add "loads_ahead"), then q5: the tensor-core products'
+# registers and occupancy (gpu_timeline now records them) and their tunings' kernel times —
+# a timeline at N = 8 for each of SLOTSERVE_GEMV_MMA_UNROLL=2|8, SLOTSERVE_GEMV_STAGED_SPLIT=8|16,
+# SLOTSERVE_GEMV_MMA_DIRECT=0; then q3, q4 twice, alternated with MMA=0 where the host's mode
+# allows a comparison (record graph-building ms beside every tokens/s).
 # Session 19's plan (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
 # tree), q2 (carry .gpu_b .gpu_llama): MLX, the 0.8B, llama.cpp's build started; the tensor-core
 # staged products' GPU tests (cores 11-15 beside the build), timelines at N = 8 with them on,
@@ -107,6 +109,15 @@ q2)  # MLX, the 0.8B, llama.cpp's build; the tensor-core products' tests and tim
       python3 bench/gpu_timeline.py --model-dir $M --n 8 --json "$OUT/q2_tl_$name.json" \
       --trace-dir /tmp/trace > "$OUT/q2_tl_$name.md" 2>&1
     echo "== $name"; grep -E "^N=|gemv|nvjet" "$OUT/q2_tl_$name.md" | head -8
+  done ;;
+q5)  # the tensor-core products' tunings: kernel times, registers, occupancy at N = 8
+  export PYTHONPATH=/tmp/site:$PWD
+  for v in base: u2:SLOTSERVE_GEMV_MMA_UNROLL=2 u8:SLOTSERVE_GEMV_MMA_UNROLL=8 \
+      s8:SLOTSERVE_GEMV_STAGED_SPLIT=8 s16:SLOTSERVE_GEMV_STAGED_SPLIT=16 staged:SLOTSERVE_GEMV_MMA_DIRECT=0; do
+    name=${v%%:*}; setting=${v#*:}
+    env $setting timeout 90 python3 bench/gpu_timeline.py --model-dir $M --n 8 \
+      --json "$OUT/q5_tl_$name.json" --trace-dir /tmp/trace > "$OUT/q5_tl_$name.md" 2>&1
+    echo "== $name"; grep -E "^N=|gemv" "$OUT/q5_tl_$name.md" | head -5
   done ;;
 q3)  # tokens/s at N = 8: tensor cores on, off, on for the plain products too; in turn, 3x
   for i in $(seq 40); do [ -f /tmp/llama/rc ] && break; sleep 5; done; cat /tmp/llama/rc

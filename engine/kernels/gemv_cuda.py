@@ -692,6 +692,7 @@ MMA_ENV = "SLOTSERVE_GEMV_MMA"
 MMA_OUTS = 16  # outputs a warp of the tensor-core kernel owns (the fragment's 16 rows)
 MMA_WARPS = 1024  # "auto" splits K until a product has this many warps (or 8 a group)
 MMA_UNROLL_ENV = "SLOTSERVE_GEMV_MMA_UNROLL"
+MMA_DIRECT_ENV = "SLOTSERVE_GEMV_MMA_DIRECT"
 
 
 def mma_takes(rows: int, K: int, dtype: mx.Dtype, w: Weight) -> bool:
@@ -855,7 +856,8 @@ def _launch(
     K = inputs[0].shape[1] // (2 if pro == _SWIGLU else 1)
     kind = "add_norm" if pro == _ADD_NORM else "swiglu"  # (a plain product chunks as SwiGLU)
     mma = staged and mma_takes(R, K, inputs[0].dtype, w)
-    direct = mma and pro != _ADD_NORM  # x read in the product: nothing staged
+    # x read in the product, nothing staged (SLOTSERVE_GEMV_MMA_DIRECT=0: staged, for measuring)
+    direct = mma and pro != _ADD_NORM and _env_choice(MMA_DIRECT_ENV, ("1", "0")) == "1"
     if mma:
         outs = MMA_OUTS
     if split is None and staged:
