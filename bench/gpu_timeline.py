@@ -16,6 +16,9 @@ Needs torch with CUDA beside MLX's CUDA backend.
 
 `--verify K` times speculative verify steps instead (rows of K + 1 tokens with per-position
 capture, then the pool's rollback to one kept token), to set beside the plain step.
+`--ahead` runs plain steps as the scheduler's decode-ahead does (step t + 1 launched on step
+t's argmax on the device, then step t's tokens read): a step's window is then one turn of
+that loop, and its idle time is where the GPU waited for the host in serving.
 """
 
 from __future__ import annotations
@@ -199,8 +202,24 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         out = runner.step([Row(s, p, 0) for s, p in zip(slots, prompts, strict=True)])
         toks = mx.argmax(last_logits(out.rows), axis=-1).tolist()
 
-        def step(runner: ModelRunner, slots: list[SlotId], toks: list[int]) -> list[int]:
+        ahead: dict[str, Any] = {"tok": mx.array(toks, dtype=mx.int32), "prev": None}
+
+        def step(
+            runner: ModelRunner,
+            slots: list[SlotId],
+            toks: list[int],
+            ahead: dict[str, Any] = ahead,
+        ) -> list[int]:
             lengths = runner.pool.lengths
+            if args.ahead:  # as the scheduler's decode-ahead: step t + 1 queued on step t's
+                # device argmax before the host reads step t's tokens
+                out = runner.adopt(runner.launch(slots, ahead["tok"]), range(len(slots)))
+                nxt = mx.argmax(last_logits(out.rows), axis=-1)
+                mx.async_eval(nxt)
+                if ahead["prev"] is not None:
+                    ahead["prev"].tolist()
+                ahead["prev"] = ahead["tok"] = nxt
+                return toks
             if not K:
                 rows = [Row(s, [t], lengths[s]) for s, t in zip(slots, toks, strict=True)]
                 out = runner.step(rows)
@@ -274,6 +293,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument(
+        "--ahead",
+        action="store_true",
+        help="decode-ahead, as the scheduler runs: where the GPU waits for the host then",
+    )
+    p.add_argument(
         "--verify",
         type=int,
         default=0,
@@ -282,6 +306,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--trace-dir", default="out/timeline")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if args.ahead and args.verify:
+        p.error("--ahead runs plain decode steps: not with --verify")
     result = profile(args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

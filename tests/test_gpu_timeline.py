@@ -6,10 +6,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_timeline import STEP, busy_us, short_name, summarize_trace  # noqa: E402
+from gpu_timeline import STEP, busy_us, main, short_name, summarize_trace  # noqa: E402
 
 
 def _x(cat: str, name: str, ts: float, dur: float) -> dict[str, object]:
@@ -81,3 +83,9 @@ def test_steps_count_their_own_kernels_gaps_and_launches() -> None:
     assert top["norm"]["grid"] == "[8,1,1]x[256,1,1]" and top["gemv"]["grid"] == "?x?"
     assert top["gemv"]["regs"] is None  # (its events have no args)
     assert top["norm"]["regs"] == 96 and top["norm"]["occupancy"] == 12
+
+
+def test_decode_ahead_is_plain_decode_only() -> None:
+    """--ahead times the scheduler's decode-ahead loop, which verify steps do not take."""
+    with pytest.raises(SystemExit):
+        main(["--ahead", "--verify", "2", "--n", "1"])

@@ -118,7 +118,11 @@ q5)  # the tensor-core products' tunings: kernel times, registers, occupancy at 
     env $setting timeout 90 python3 bench/gpu_timeline.py --model-dir $M --n 8 \
       --json "$OUT/q5_tl_$name.json" --trace-dir /tmp/trace > "$OUT/q5_tl_$name.md" 2>&1
     echo "== $name"; grep -E "^N=|gemv" "$OUT/q5_tl_$name.md" | head -5
-  done ;;
+  done
+  # decode-ahead, as served: where the GPU waits for the host (pinned like the tokens/s runs)
+  taskset -c ${CPUS:-0-7} timeout 120 python3 bench/gpu_timeline.py --model-dir $M --n 1,8 --ahead \
+    --json "$OUT/q5_tl_ahead.json" --trace-dir /tmp/trace > "$OUT/q5_tl_ahead.md" 2>&1
+  grep -E "^N=" "$OUT/q5_tl_ahead.md" ;;
 q3)  # tokens/s at N = 8: tensor cores on, off, on for the plain products too; in turn, 3x
   for i in $(seq 40); do [ -f /tmp/llama/rc ] && break; sleep 5; done; cat /tmp/llama/rc
   taskset -c ${CPUS:-0-7} timeout 560 python3 bench/mlx_env_sweep.py --model-dir $M --gen 32 \
