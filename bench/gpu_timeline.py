@@ -198,7 +198,8 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         pool = SlotPool(model.config, n, context, DTYPES[args.dtype], max_draft=args.verify)
         runner = ModelRunner(model, pool, compile=not args.no_compile)
         slots = [pool.allocate() for _ in range(n)]
-        prompts = [[int(t) for t in rng.integers(0, 32000, args.prompt)] for _ in slots]
+        vocab = min(32000, model.config.n_vocab)
+        prompts = [[int(t) for t in rng.integers(0, vocab, args.prompt)] for _ in slots]
         out = runner.step([Row(s, p, 0) for s, p in zip(slots, prompts, strict=True)])
         toks = mx.argmax(last_logits(out.rows), axis=-1).tolist()
 
