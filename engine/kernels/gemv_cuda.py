@@ -711,9 +711,10 @@ def mma_takes(rows: int, K: int, dtype: mx.Dtype, w: Weight) -> bool:
 
 def mma_split(n_out: int, K: int) -> int:
     """Warps sharing K for the tensor-core kernel, "auto": the fewest of 1, 2, 4, 8 that give
-    the product `MMA_WARPS` warps of 16 outputs, but no more than leave each warp 8 rounds
-    of 32 values (an 8-row product's warp streams 1 KiB a round: fewer warps, more loads
-    each, until the rounds run out)."""
+    the product `MMA_WARPS` warps of 16 outputs, as long as each warp keeps 8 rounds of 32
+    values or more (its loads of the next rounds in flight while it multiplies). A first
+    guess: on the H200 the 8-row products at these splits still read only 0.4-1.3 TB/s
+    (session 19); `SLOTSERVE_GEMV_STAGED_SPLIT` overrides it for measuring."""
     warps = -(-n_out // MMA_OUTS)
     split = 1
     while split < 8 and warps * split < MMA_WARPS and K // (32 * 2 * split) >= 8:
@@ -785,9 +786,10 @@ def gemv_cuda(
 ) -> mx.array:
     """`x @ W.T` for `x` `[..., K]` with at most `MAX_ROWS` rows and `W` `(N, K)` (float in
     x's dtype, or affine-quantized), in x's dtype; `fits(x, w)` must hold. Tuning knobs
-    (`bench/gemv_bench.py`): `outs` outputs per block, `unroll` rounds of loads in flight,
-    `split` warps per block sharing the outputs' K (None: `split_for`); `staged`: through
-    the staged kernel (None: where SLOTSERVE_FUSED_GEMV_DENSE=mma sends it, on tensor cores)."""
+    (`bench/gemv_bench.py`): `outs` outputs per block (the tensor-core kernel's: 16 a warp),
+    `unroll` rounds of loads in flight, `split` warps per block sharing the outputs' K
+    (None: `split_for`); `staged`: through the staged kernel (None: where
+    SLOTSERVE_FUSED_GEMV_DENSE=mma sends it, on tensor cores)."""
     if not fits(x, w):
         raise ValueError(f"gemv_cuda: x {x.shape} {x.dtype} does not fit this kernel's layouts")
     R, K = x.size // x.shape[-1], x.shape[-1]
