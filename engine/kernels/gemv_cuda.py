@@ -423,26 +423,38 @@ _MMA_LOADS = """\
 """
 
 # Row g's 8 values of x from k on, as the prologue makes them: from the stage (add + RMSNorm,
-# whose norm needs whole rows first), or (DIRECT: a plain or SwiGLU product) read and made
-# here — no stage to wait for; each value is made by one lane of each warp that meets it,
-# through the caches, rounded where the separate kernels round.
+# whose norm needs whole rows first), or (DIRECT: a plain or SwiGLU product) made here from
+# the raw values `load_raw` read (x, or gate and up) — no stage to wait for; each value is
+# made by one lane of each warp that meets it, rounded where the separate kernels round.
 _MMA_X = """\
-    auto x_frag = [&](long k, long K_LO) {
+    auto load_raw = [&](uint4 (&p)[U], uint4 (&q)[U], long k0, long K_HI) {
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const long k = k0 + u * MSTRIDE;
+            if (DIRECT && g < R && k < K_HI) {
+                if (PRO == 2) {
+                    p[u] = __ldg(reinterpret_cast<const uint4*>(x + g * 2 * K + k));
+                    q[u] = __ldg(reinterpret_cast<const uint4*>(x + g * 2 * K + K + k));
+                } else {
+                    p[u] = __ldg(reinterpret_cast<const uint4*>(x + g * K + k));
+                }
+            }
+        }
+    };
+    auto x_frag = [&](long k, long K_LO, const uint4& p, const uint4& q) {
         uint4 xb = make_uint4(0u, 0u, 0u, 0u);
         if (g >= R) return xb;  // rows past R: zeros
         if (!DIRECT) {
             xb = *reinterpret_cast<const uint4*>(xs + g * KC + (k - K_LO));
         } else if (PRO == 2) {
-            const uint4 gu = __ldg(reinterpret_cast<const uint4*>(x + g * 2 * K + k));
-            const uint4 uu = __ldg(reinterpret_cast<const uint4*>(x + g * 2 * K + K + k));
             #pragma unroll
             for (int e = 0; e < XV; ++e) {
-                const float gv = static_cast<float>(reinterpret_cast<const T*>(&gu)[e]);
-                const float uv = static_cast<float>(reinterpret_cast<const T*>(&uu)[e]);
+                const float gv = static_cast<float>(reinterpret_cast<const T*>(&p)[e]);
+                const float uv = static_cast<float>(reinterpret_cast<const T*>(&q)[e]);
                 reinterpret_cast<T*>(&xb)[e] = static_cast<T>(gv / (1.0f + expf(-gv)) * uv);
             }
         } else {
-            xb = __ldg(reinterpret_cast<const uint4*>(x + g * K + k));
+            xb = p;
         }
         return xb;
     };
@@ -450,16 +462,19 @@ _MMA_X = """\
 
 # One chunk's products (its first U rounds already loaded into wa, wb): the group's warps take
 # its rounds of 32 values in turn (a chunk and K are whole rounds, so a warp's lanes run the
-# same rounds and meet `mma.sync` together), the next U rounds' loads in flight meanwhile.
+# same rounds and meet `mma.sync` together), the next U rounds' weights in flight meanwhile.
+# A direct product's raw x values for U rounds are asked for together, before the next
+# rounds' weights: one wait on the cache a U rounds, not one a round.
 _MMA_PRODUCT = """\
     for (long k0 = K_LO + long(warp) * 32 + t * 8; k0 < K_HI; k0 += MSTRIDE * U) {
-        uint4 na[U], nb[U];
+        uint4 xp[U], xq[U], na[U], nb[U];
+        load_raw(xp, xq, k0, K_HI);
         load_w(na, nb, k0 + MSTRIDE * U, K_HI);
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             const long k = k0 + u * MSTRIDE;
             if (k >= K_HI) break;
-            const uint4 xb = x_frag(k, K_LO);
+            const uint4 xb = x_frag(k, K_LO, xp[u], xq[u]);
             mma(wa[u].x, wb[u].x, wa[u].y, wb[u].y, xb.x, xb.y);
             mma(wa[u].z, wb[u].z, wa[u].w, wb[u].w, xb.z, xb.w);
         }
