@@ -47,8 +47,10 @@
 # Next lease: l1, q2 (its tests: add "loads_ahead"), then q5: the tensor-core products'
 # registers and occupancy (gpu_timeline now records them) and their tunings' kernel times —
 # a timeline at N = 8 for each of SLOTSERVE_GEMV_MMA_UNROLL=2|8, SLOTSERVE_GEMV_STAGED_SPLIT=8|16,
-# SLOTSERVE_GEMV_MMA_DIRECT=0; then q3, q4 twice, alternated with MMA=0 where the host's mode
-# allows a comparison (record graph-building ms beside every tokens/s).
+# SLOTSERVE_GEMV_MMA_DIRECT=0, and the decode-ahead timeline (--ahead) at N = 1, 8; q6: the
+# host's two modes against the CPUs' topology (pinned 0-7 vs one logical CPU a physical
+# core, alternated); then q3, q4 twice, alternated with MMA=0 where the host's mode allows a
+# comparison (record graph-building ms beside every tokens/s).
 # Session 19's plan (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
 # tree), q2 (carry .gpu_b .gpu_llama): MLX, the 0.8B, llama.cpp's build started; the tensor-core
 # staged products' GPU tests (cores 11-15 beside the build), timelines at N = 8 with them on,
@@ -123,6 +125,21 @@ q5)  # the tensor-core products' tunings: kernel times, registers, occupancy at 
   taskset -c ${CPUS:-0-7} timeout 120 python3 bench/gpu_timeline.py --model-dir $M --n 1,8 --ahead \
     --json "$OUT/q5_tl_ahead.json" --trace-dir /tmp/trace > "$OUT/q5_tl_ahead.md" 2>&1
   grep -E "^N=" "$OUT/q5_tl_ahead.md" ;;
+q6)  # the host's two modes: are they two threads on one physical core? (~4 min)
+  export PYTHONPATH=/tmp/site:$PWD
+  lscpu -e > "$OUT/q6_lscpu.txt" 2>&1; cat /sys/devices/system/cpu/cpu*/topology/thread_siblings_list \
+    > "$OUT/q6_siblings.txt" 2>&1; head -n 20 "$OUT/q6_lscpu.txt"
+  # one logical CPU of each of the first 8 physical cores, from the sibling lists
+  ONE=$(for f in /sys/devices/system/cpu/cpu[0-9]*/topology/thread_siblings_list; do cat $f; done \
+    | sort -u -t, -k1,1n | cut -d, -f1 | cut -d- -f1 | sort -n | head -n 8 | paste -sd, -)
+  echo "one a core: $ONE"
+  for r in 1 2 3; do
+    for cpus in 0-7 "$ONE"; do
+      taskset -c $cpus timeout 80 python3 bench/mlx_env_sweep.py --model-dir $M --gen 32 --n 8 \
+        --json "$OUT/q6_${r}_${cpus//,/_}.json" --setting "cpus${cpus//,/_}_$r:ARGS=--overlap" 2>/dev/null \
+        | grep "^| cpus" | tee -a "$OUT/q6_pins.md"
+    done
+  done ;;
 q3)  # tokens/s at N = 8: tensor cores on, off, on for the plain products too; in turn, 3x
   for i in $(seq 40); do [ -f /tmp/llama/rc ] && break; sleep 5; done; cat /tmp/llama/rc
   taskset -c ${CPUS:-0-7} timeout 560 python3 bench/mlx_env_sweep.py --model-dir $M --gen 32 \
