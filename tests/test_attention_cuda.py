@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from gpu_paths import assert_as_close_as, on_cpu, two_steps
 
+from engine.kernels import attention_cuda
 from engine.kernels.cuda import available
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs MLX's CUDA backend")
@@ -35,3 +37,63 @@ def test_fused_attention_matches_the_portable_path(
     portable = two_steps(path)
     monkeypatch.setenv("SLOTSERVE_FUSED_ATTENTION", "1")
     assert_as_close_as(two_steps(path), portable, on_cpu(path))
+
+
+@pytest.mark.parametrize("overrides", [{}, {"head_dim": 256, "rope_dim": 64}])
+def test_the_one_kernel_decode_path_through_a_model(
+    make_model: Callable[..., Path], overrides: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SLOTSERVE_ATTENTION_DECODE=1: the decode steps' attention in one kernel a layer holds
+    the model as close to the CPU as the portable path does (prefill rows keep two)."""
+    path = make_model("tiny", quant="f32", **overrides)
+    monkeypatch.setenv("SLOTSERVE_FUSED_ATTENTION", "0")
+    portable = two_steps(path)
+    monkeypatch.setenv("SLOTSERVE_FUSED_ATTENTION", "1")
+    monkeypatch.setenv(attention_cuda.DECODE_ENV, "1")
+    assert_as_close_as(two_steps(path), portable, on_cpu(path))
+
+
+@pytest.mark.parametrize(
+    ("H", "HKV", "D", "rope", "dtype"),
+    [
+        (8, 2, 256, 64, mx.bfloat16),  # the 0.8B's attention layers
+        (4, 2, 32, 16, mx.float32),
+        (4, 4, 64, 0, mx.bfloat16),  # no rotation, no grouping
+    ],
+)
+def test_the_decode_kernel_is_the_two_kernels_exactly(
+    H: int, HKV: int, D: int, rope: int, dtype: mx.Dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows of one token at starts 0 (no past), 1, 37 and 300: the one kernel makes what
+    `prepare` then `attend` make, bit for bit — the output and the new keys and values."""
+    starts = [0, 1, 37, 300]
+    B, S = len(starts), 320
+    W = 2 * H * D + 2 * HKV * D
+    key = mx.random.key(7)
+    k1, k2, k3, k4, k5 = mx.random.split(key, 5)
+    proj = (2 * mx.random.normal((B, W), key=k1)).astype(dtype)
+    k_past = mx.random.normal((B, S, HKV, D), key=k2).astype(dtype)
+    v_past = mx.random.normal((B, S, HKV, D), key=k3).astype(dtype)
+    q_norm = 1 + 0.1 * mx.random.normal((D,), key=k4)
+    k_norm = 1 + 0.1 * mx.random.normal((D,), key=k5)
+    omega = 1e4 ** (-mx.arange(max(rope, 2) // 2, dtype=mx.float32) / max(rope, 2))
+    args = [
+        proj,
+        mx.arange(B, dtype=mx.int32).reshape(B, 1),  # pad_index
+        mx.arange(B, dtype=mx.int32),  # pack_index
+        mx.array(starts, dtype=mx.int32),
+        mx.ones((B,), dtype=mx.int32),  # row_lengths
+        k_past,
+        v_past,
+        q_norm,
+        k_norm,
+        omega,
+    ]
+    kw = {"n_heads": H, "n_kv_heads": HKV, "rope_dim": rope, "eps": 1e-6}
+    monkeypatch.setenv(attention_cuda.DECODE_ENV, "0")
+    want = attention_cuda.attention_cuda(*args, **kw)
+    monkeypatch.setenv(attention_cuda.DECODE_ENV, "1")
+    got = attention_cuda.attention_cuda(*args, **kw)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert bool(mx.array_equal(g, w))

@@ -18,10 +18,18 @@ that dwarfs its work at small batch, so here:
    softmax over warps, each loading a few keys at once), applies the sigmoid gate
    and writes the packed input of the output projection.
 
+A batch whose rows are one token each (a decode step) can take ONE kernel instead
+(`DECODE_ENV`): each `attend` block first makes its own query head and its group's new key
+and value as `prepare` would, rounded where `prepare` stores them, into shared memory; the
+group's first head writes the new key and value out for the pool. Same values, one launch
+a layer fewer.
+
 Numerics: f32 arithmetic throughout; tests compare with the portable path.
 """
 
 from __future__ import annotations
+
+import os
 
 import mlx.core as mx
 
@@ -176,9 +184,166 @@ _ATTEND = """
 """
 
 
+# The decode kernel: `attend` for rows of one token, making its inputs itself. Warp 0 makes
+# the block's query head, warp 1 its group's new key and value, each as `prepare` does (its
+# per-warp scratch is the head's row of `made`), then every warp attends as in `_ATTEND`,
+# the row's one new position read from `made`.
+_DECODE = """
+    constexpr int PER = D / 32;
+    constexpr int NW = BLOCK / 32;
+    constexpr int HALF = ROPE_DIM / 2;
+    const int lane = threadIdx.x & 31;
+    const int w = threadIdx.x >> 5;
+    const int ND = k_past_ndim;
+    const long KB = k_past_strides[ND - 4], KS = k_past_strides[ND - 3];
+    const long KH = k_past_strides[ND - 2];
+    const long VB = v_past_strides[ND - 4], VS = v_past_strides[ND - 3];
+    const long VH = v_past_strides[ND - 2];
+    const int h = blockIdx.x % H;
+    const int b = blockIdx.x / H;
+    if (row_lengths[b] < 1) return;  // padding: no packed token to write
+    const int kvh = h / (H / HKV);
+    const int start = row_starts[b];
+    const long n = pad_index[b];
+    __shared__ float made[3][D];  // the query head (rounded to OUT_T), new key, value (KV_T)
+    __shared__ float part_m[NW], part_l[NW];
+    __shared__ float part_o[NW][D];
+
+    if (w < 2) {
+        const bool is_q = w == 0;
+        const int col = is_q ? h * 2 * D : 2 * H * D + kvh * D;
+        float* y = made[w];
+        float x[PER];
+        float ss = 0.0f;
+        #pragma unroll
+        for (int e = 0; e < PER; ++e) {
+            x[e] = static_cast<float>(proj[n * W + col + lane + 32 * e]);
+            ss += x[e] * x[e];
+        }
+        #pragma unroll
+        for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, off);
+        const float inv = rsqrtf(ss / D + EPS);
+        const float* nw = is_q ? q_norm : k_norm;
+        float om[PER], vv[PER], r[PER];
+        #pragma unroll
+        for (int e = 0; e < PER; ++e) {
+            const int j = lane + 32 * e;
+            om[e] = j < ROPE_DIM ? omega[j < HALF ? j : j - HALF] : 0.0f;
+            vv[e] = is_q ? 0.0f : static_cast<float>(proj[n * W + 2 * H * D + HKV * D + kvh * D + j]);
+        }
+        #pragma unroll
+        for (int e = 0; e < PER; ++e) y[lane + 32 * e] = x[e] * inv * nw[lane + 32 * e];
+        __syncwarp();
+        #pragma unroll
+        for (int e = 0; e < PER; ++e) {
+            const int j = lane + 32 * e;
+            r[e] = y[j];
+            if (j < ROPE_DIM) {
+                const int i = j < HALF ? j : j - HALF;
+                float sn, cs;
+                sincosf(float(start) * om[e], &sn, &cs);
+                r[e] = j < HALF ? y[j] * cs - y[j + HALF] * sn : y[j] * cs + y[i] * sn;
+            }
+        }
+        __syncwarp();  // every lane's rotation read its partners before any is overwritten
+        const bool writes = !is_q && h % (H / HKV) == 0;  // the group's first head stores
+        #pragma unroll
+        for (int e = 0; e < PER; ++e) {
+            const int j = lane + 32 * e;
+            if (is_q) {
+                y[j] = static_cast<float>(static_cast<OUT_T>(r[e]));
+            } else {
+                const KV_T kr = static_cast<KV_T>(r[e]), vr = static_cast<KV_T>(vv[e]);
+                y[j] = static_cast<float>(kr);
+                made[2][j] = static_cast<float>(vr);
+                if (writes) {
+                    k_out[(n * HKV + kvh) * D + j] = kr;
+                    v_out[(n * HKV + kvh) * D + j] = vr;
+                }
+            }
+        }
+    }
+    __syncthreads();
+
+    float q[PER], o[PER];
+    #pragma unroll
+    for (int e = 0; e < PER; ++e) {
+        q[e] = made[0][lane + 32 * e] * SCALE;
+        o[e] = 0.0f;
+    }
+    float m = -1e30f, l = 0.0f;
+    const int last = start;
+    for (int j0 = w * U; j0 <= last; j0 += NW * U) {
+        float kf[U][PER], vf[U][PER];
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int j = j0 + u;
+            if (j > last) break;
+            if (j < start) {
+                const long at_k = b * KB + j * KS + kvh * KH, at_v = b * VB + j * VS + kvh * VH;
+                #pragma unroll
+                for (int e = 0; e < PER; ++e) {
+                    kf[u][e] = static_cast<float>(k_past[at_k + lane + 32 * e]);
+                    vf[u][e] = static_cast<float>(v_past[at_v + lane + 32 * e]);
+                }
+            } else {
+                #pragma unroll
+                for (int e = 0; e < PER; ++e) {
+                    kf[u][e] = made[1][lane + 32 * e];
+                    vf[u][e] = made[2][lane + 32 * e];
+                }
+            }
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (j0 + u > last) break;
+            float s = 0.0f;
+            #pragma unroll
+            for (int e = 0; e < PER; ++e) s += q[e] * kf[u][e];
+            #pragma unroll
+            for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
+            const float m2 = fmaxf(m, s);
+            const float keep = expf(m - m2), p = expf(s - m2);
+            l = l * keep + p;
+            #pragma unroll
+            for (int e = 0; e < PER; ++e) o[e] = o[e] * keep + p * vf[u][e];
+            m = m2;
+        }
+    }
+    if (lane == 0) { part_m[w] = m; part_l[w] = l; }
+    #pragma unroll
+    for (int e = 0; e < PER; ++e) part_o[w][lane + 32 * e] = o[e];
+    __syncthreads();
+    float mm = -1e30f;
+    #pragma unroll
+    for (int i = 0; i < NW; ++i) mm = fmaxf(mm, part_m[i]);
+    float ll = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < NW; ++i) ll += part_l[i] * expf(part_m[i] - mm);
+    for (int d = threadIdx.x; d < D; d += BLOCK) {
+        float acc = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < NW; ++i) acc += part_o[i][d] * expf(part_m[i] - mm);
+        const float g = static_cast<float>(proj[n * W + h * 2 * D + D + d]);
+        out[(n * H + h) * D + d] = static_cast<OUT_T>(acc / ll / (1.0f + expf(-g)));
+    }
+"""
+
+DECODE_ENV = "SLOTSERVE_ATTENTION_DECODE"
+
+
 def enabled() -> bool:
     """On MLX's CUDA backend, unless SLOTSERVE_FUSED_ATTENTION=0."""
     return switched_on("ATTENTION")
+
+
+def decode_kernel() -> bool:
+    """Whether rows of one token take the one-kernel decode path (SLOTSERVE_ATTENTION_DECODE:
+    "0", the default until it has run on a GPU, or "1")."""
+    value = os.environ.get(DECODE_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{DECODE_ENV}={value!r}: one of 0, 1")
+    return value == "1"
 
 
 def attention_cuda(
@@ -224,6 +389,47 @@ def attention_cuda(
     f32, kv_dtype = mx.float32, k_past.dtype
     common = [("OUT_T", proj.dtype), ("KV_T", kv_dtype), ("H", n_heads), ("HKV", Hkv)]
     common += [("D", D), ("W", W)]
+    scale = 1.0 / float(D) ** 0.5
+    block = 256
+    if T == 1 and decode_kernel():
+        decode = cached_kernel(
+            "attention",
+            f"decode_{eps!r}_{scale!r}",
+            [
+                "proj",
+                "k_past",
+                "v_past",
+                "pad_index",
+                "row_starts",
+                "row_lengths",
+                "q_norm",
+                "k_norm",
+                "omega",
+            ],
+            ["out", "k_out", "v_out"],
+            f"    constexpr float EPS = {eps!r}f;\n    constexpr float SCALE = {scale!r}f;\n"
+            + _DECODE,
+            contiguous=False,  # (the past through its strides; the rest contiguous as made)
+        )
+        out, k, v = decode(
+            inputs=[
+                proj,
+                k_past,
+                v_past,
+                pad_index,
+                row_starts,
+                row_lengths,
+                q_norm.astype(f32),
+                k_norm.astype(f32),
+                omega.astype(f32),
+            ],
+            template=[*common, ("ROPE_DIM", rope_dim), ("BLOCK", block), ("U", 4)],
+            grid=(B * n_heads * block, 1, 1),
+            threadgroup=(block, 1, 1),
+            output_shapes=[(N, n_heads * D), (N, Hkv, D), (N, Hkv, D)],
+            output_dtypes=[proj.dtype, kv_dtype, kv_dtype],
+        )
+        return out, k, v
     prepare = cached_kernel(
         "attention",
         f"prepare_{eps!r}",
@@ -248,7 +454,6 @@ def attention_cuda(
         output_shapes=[(N, n_heads, D), (N, Hkv, D), (N, Hkv, D)],
         output_dtypes=[proj.dtype, kv_dtype, kv_dtype],
     )
-    scale = 1.0 / float(D) ** 0.5
     attend = cached_kernel(
         "attention",
         f"attend_{scale!r}",
@@ -269,7 +474,6 @@ def attention_cuda(
         # product's output or a layout array, contiguous as made
         contiguous=False,
     )
-    block = 256
     (out,) = attend(
         inputs=[proj, q, k, v, k_past, v_past, pad_index, row_starts, row_lengths],
         template=[*common, ("BLOCK", block), ("U", 4)],
