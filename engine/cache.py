@@ -321,13 +321,10 @@ class SlotPool:
         attn = [s for s in new if isinstance(s, AttentionState)]
         lin = [s for s in new if isinstance(s, LinearState)]
         packed = [s.packed or (layout.to_packed(s.k), layout.to_packed(s.v)) for s in attn]
-        ssm = [s.ssm[None] for s in lin] if ssm_layers else [stack_cuda.stack([s.ssm for s in lin])]
-        return [
-            stack_cuda.stack([k for k, _ in packed]),
-            stack_cuda.stack([v for _, v in packed]),
-            stack_cuda.stack([s.conv for s in lin]),
-            *ssm,
-        ]
+        groups = [[k for k, _ in packed], [v for _, v in packed], [s.conv for s in lin]]
+        if ssm_layers:
+            return [*stack_cuda.stack_groups(groups), *(s.ssm[None] for s in lin)]
+        return stack_cuda.stack_groups([*groups, [s.ssm for s in lin]])
 
     def commit(
         self,

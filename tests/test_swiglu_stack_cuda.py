@@ -65,3 +65,44 @@ def test_fused_swiglu_and_stack_match_the_portable_path(
     monkeypatch.setenv("SLOTSERVE_FUSED_SWIGLU", "1")
     monkeypatch.setenv("SLOTSERVE_FUSED_STACK", "1")
     assert_as_close_as(two_steps(path), portable, on_cpu(path))
+
+
+@pytest.mark.parametrize("offset", [0, 1])  # 1: views one element into a larger array
+def test_stack_groups_are_the_stacks_in_one_launch(
+    offset: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SLOTSERVE_STACK_GROUPS=1: a step's four stacks (bf16 K and V, f32 conv and recurrent
+    states, of their own shapes) made by one kernel, byte for byte `mx.stack`'s; a group
+    that cannot go (pieces not of 16 bytes) sends them all to the separate stacks."""
+    monkeypatch.setenv(stack_cuda.GROUPS_ENV, "1")
+    shapes = [((8, 2, 256), mx.bfloat16, 6), ((8, 2, 256), mx.bfloat16, 6)]
+    shapes += [((8, 6144, 3), mx.float32, 18), ((8, 16, 128, 128), mx.float32, 18)]
+    keys = iter(mx.random.split(mx.random.key(4), sum(k for _, _, k in shapes)))
+    groups = []
+    for shape, dtype, k in shapes:
+        size = int(np.prod(shape))
+        groups.append(
+            [
+                mx.random.normal((size + offset,), key=next(keys))
+                .astype(dtype)[offset:]
+                .reshape(shape)
+                for _ in range(k)
+            ]
+        )
+    got = stack_cuda.stack_groups(groups)
+    for g, group in zip(got, groups, strict=True):
+        assert g.dtype == group[0].dtype and bool(mx.array_equal(g, mx.stack(group)))
+    odd = [*groups[:3], [mx.zeros((3,), mx.float32)] * 2]  # 12 bytes an input
+    for g, group in zip(stack_cuda.stack_groups(odd), odd, strict=True):
+        assert bool(mx.array_equal(g, mx.stack(group)))
+
+
+def test_stack_groups_through_a_model(
+    make_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = make_model("tiny", quant="f32")
+    monkeypatch.setenv("SLOTSERVE_FUSED_STACK", "0")
+    portable = two_steps(path)
+    monkeypatch.setenv("SLOTSERVE_FUSED_STACK", "1")
+    monkeypatch.setenv(stack_cuda.GROUPS_ENV, "1")
+    assert_as_close_as(two_steps(path), portable, on_cpu(path))

@@ -47,7 +47,8 @@
 # Next lease: l1, q2 (its tests: add "loads_ahead"), then q5: the tensor-core products'
 # registers and occupancy (gpu_timeline now records them) and their tunings' kernel times —
 # a timeline at N = 8 for each of SLOTSERVE_GEMV_MMA_UNROLL=2|8, SLOTSERVE_GEMV_STAGED_SPLIT=8|16,
-# SLOTSERVE_GEMV_MMA_DIRECT=0, SLOTSERVE_ATTENTION_DECODE=1 (q2 runs its tests first: if they
+# SLOTSERVE_GEMV_MMA_DIRECT=0, SLOTSERVE_ATTENTION_DECODE=1 and SLOTSERVE_STACK_GROUPS=1
+# (launches a step 137 -> 128 with both; q2 runs their tests first: if they
 # pass, make it the default and measure tokens/s with and without in q3), and the
 # decode-ahead timeline (--ahead) at N = 1, 8; q6: the
 # host's two modes against the CPUs' topology (pinned 0-7 vs one logical CPU a physical
@@ -106,7 +107,8 @@ q2)  # MLX, the 0.8B, llama.cpp's build; the tensor-core products' tests and tim
   echo "setup $(( $(date +%s) - T )) s"
   taskset -c 11-15 timeout ${TT:-230} python3 -m pytest -q -p no:cacheprovider \
     tests/test_gemv_prologue_cuda.py tests/test_attention_cuda.py \
-    -k "${TK:-tensor_core or bf16_model or decode}" > "$OUT/q2_tests.txt" 2>&1
+    tests/test_swiglu_stack_cuda.py -k "${TK:-tensor_core or bf16_model or decode or groups}" \
+    > "$OUT/q2_tests.txt" 2>&1
   tail -n 12 "$OUT/q2_tests.txt"
   for v in mma:1:0 fma:0:0 mmad:1:mma; do
     IFS=: read name mma dense <<< "$v"
@@ -117,14 +119,17 @@ q2)  # MLX, the 0.8B, llama.cpp's build; the tensor-core products' tests and tim
   done ;;
 q5)  # the tensor-core products' tunings: kernel times, registers, occupancy at N = 8
   export PYTHONPATH=/tmp/site:$PWD
-  for v in base: u2:SLOTSERVE_GEMV_MMA_UNROLL=2 u8:SLOTSERVE_GEMV_MMA_UNROLL=8 \
+  # (each timeline ~40-60 s with its kernels' builds: nine overrun one call — pass Q5 subsets)
+  for v in ${Q5:-base: u2:SLOTSERVE_GEMV_MMA_UNROLL=2 u8:SLOTSERVE_GEMV_MMA_UNROLL=8 \
       s8:SLOTSERVE_GEMV_STAGED_SPLIT=8 s16:SLOTSERVE_GEMV_STAGED_SPLIT=16 staged:SLOTSERVE_GEMV_MMA_DIRECT=0 \
-      attn1:SLOTSERVE_ATTENTION_DECODE=1; do
+      attn1:SLOTSERVE_ATTENTION_DECODE=1 groups:SLOTSERVE_STACK_GROUPS=1 \
+      both:SLOTSERVE_ATTENTION_DECODE=1,SLOTSERVE_STACK_GROUPS=1}; do
     name=${v%%:*}; setting=${v#*:}
-    env $setting timeout 90 python3 bench/gpu_timeline.py --model-dir $M --n 8 \
+    env ${setting//,/ } timeout 90 python3 bench/gpu_timeline.py --model-dir $M --n 8 \
       --json "$OUT/q5_tl_$name.json" --trace-dir /tmp/trace > "$OUT/q5_tl_$name.md" 2>&1
     echo "== $name"; grep -E "^N=|gemv" "$OUT/q5_tl_$name.md" | head -5
   done
+  [ "${AHEAD:-1}" = 1 ] || exit 0
   # decode-ahead, as served: where the GPU waits for the host (pinned like the tokens/s runs)
   taskset -c ${CPUS:-0-7} timeout 120 python3 bench/gpu_timeline.py --model-dir $M --n 1,8 --ahead \
     --json "$OUT/q5_tl_ahead.json" --trace-dir /tmp/trace > "$OUT/q5_tl_ahead.md" 2>&1

@@ -12,6 +12,7 @@ microseconds on the verify step's critical path; the kernel is one.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,6 +85,107 @@ def stack(arrays: list[mx.array]) -> mx.array:
         output_dtypes=[first.dtype],
     )
     return out
+
+
+GROUPS_ENV = "SLOTSERVE_STACK_GROUPS"
+
+# Several stacks in one launch (`stack_groups`): a step's K, V, conv and recurrent states
+# were four launches. Group g's inputs are `a{FIRST[g]}` on, COUNT[g] of one shape and dtype;
+# the kernel copies bytes, 16 a thread, over all groups' outputs laid end to end (one grid
+# axis: a group's idle blocks would cost more than the small groups' copies).
+_GROUPS_SOURCE = """
+    long end[NG], per[NG];  // each group's last piece + 1, counted over all groups; and one
+    // input's pieces of 16 bytes (from its first input's shape: every kernel serves every N)
+{sizes}
+    const long c = long(blockIdx.x) * blockDim.x + threadIdx.x;
+    if (c >= end[NG - 1]) return;
+    int g = 0;
+    while (c >= end[g]) ++g;
+    const long local = c - (g ? end[g - 1] : 0);
+    const int input = FIRST[g] + int(local / per[g]);
+    const unsigned char* src = nullptr;
+    switch (input) {{
+{inputs}
+    }}
+    unsigned char* dst = nullptr;
+    switch (g) {{
+{outputs}
+    }}
+    src += (local % per[g]) * 16;
+    dst += local * 16;
+    if ((reinterpret_cast<unsigned long long>(src) | reinterpret_cast<unsigned long long>(dst))
+            % 16 == 0) {{
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+    }} else {{
+        #pragma unroll
+        for (int j = 0; j < 16; ++j) dst[j] = src[j];
+    }}
+"""
+
+
+def groups_on() -> bool:
+    """Whether `stack_groups` makes its stacks in one launch (SLOTSERVE_STACK_GROUPS: "0",
+    the default until it has run on a GPU, or "1")."""
+    value = os.environ.get(GROUPS_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{GROUPS_ENV}={value!r}: one of 0, 1")
+    return value == "1" and enabled()
+
+
+def stack_groups(groups: Sequence[Sequence[mx.array]]) -> list[mx.array]:
+    """`[stack(g) for g in groups]`, in one launch on CUDA (`groups_on`) where every group is
+    of one shape and dtype, each input whole 16-byte pieces, and all of them fit one
+    launch's `MAX_INPUTS`."""
+    flat = [a for g in groups for a in g]
+    if not (
+        groups_on()
+        and len(groups) >= 2
+        and all(g for g in groups)
+        and len(flat) <= MAX_INPUTS
+        and all(a.shape == g[0].shape and a.dtype == g[0].dtype for g in groups for a in g)
+        and all(g[0].nbytes % 16 == 0 and g[0].size > 0 for g in groups)
+    ):
+        return [stack(list(g)) for g in groups]
+    firsts = [0]
+    for g in groups[:-1]:
+        firsts.append(firsts[-1] + len(g))
+    counts = [len(g) for g in groups]
+    sizes = []
+    for i, (f, n) in enumerate(zip(firsts, counts, strict=True)):
+        sizes += [
+            f"    {{ long e = 1; for (int d = 0; d < a{f}_ndim; ++d) e *= a{f}_shape[d];",
+            f"      per[{i}] = e * long(sizeof(*a{f})) / 16;",
+            f"      end[{i}] = {f'end[{i - 1}] + ' if i else ''}{n}L * per[{i}]; }}",
+        ]
+    head = [
+        f"    constexpr int NG = {len(groups)};",
+        f"    constexpr int FIRST[NG] = {{{', '.join(map(str, firsts))}}};",
+    ]
+    inputs = "\n".join(
+        f"        case {k}: src = reinterpret_cast<const unsigned char*>(a{k}); break;"
+        for k in range(len(flat))
+    )
+    outputs = "\n".join(
+        f"        case {i}: dst = reinterpret_cast<unsigned char*>(out{i}); break;"
+        for i in range(len(groups))
+    )
+    source = "\n".join(head) + _GROUPS_SOURCE.format(
+        sizes="\n".join(sizes), inputs=inputs, outputs=outputs
+    )
+    names = [f"a{k}" for k in range(len(flat))]
+    outs = [f"out{i}" for i in range(len(groups))]
+    kernel = cached_kernel("stack_groups", ",".join(map(str, counts)), names, outs, source)
+    pieces = sum(n * g[0].nbytes // 16 for n, g in zip(counts, groups, strict=True))
+    block = 256
+    return list(
+        kernel(
+            inputs=flat,
+            grid=(-(-pieces // block) * block, 1, 1),
+            threadgroup=(block, 1, 1),
+            output_shapes=[(len(g), *g[0].shape) for g in groups],
+            output_dtypes=[g[0].dtype for g in groups],
+        )
+    )
 
 
 # Each thread copies V consecutive elements of one entry (V = 16 bytes' worth where an entry
