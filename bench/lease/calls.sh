@@ -44,16 +44,20 @@
 # in turn, decode-ahead, pinned, N = 8 and 64, twice; m4: the suite (p3).
 # Session 19 ran two leases: l1, q2 (the first kernel: its timelines; tests cut by the limit),
 # then l1, q2, q3, q4, q4 again (SNS=1,8 into $OUT/b): PERFORMANCE.md "Session 19".
-# Next lease: l1, q2 (its tests: add "loads_ahead"), then q5: the tensor-core products'
-# registers and occupancy (gpu_timeline now records them) and their tunings' kernel times —
-# a timeline at N = 8 for each of SLOTSERVE_GEMV_MMA_UNROLL=2|8, SLOTSERVE_GEMV_STAGED_SPLIT=8|16,
-# SLOTSERVE_GEMV_MMA_DIRECT=0, SLOTSERVE_ATTENTION_DECODE=1 and SLOTSERVE_STACK_GROUPS=1
-# (launches a step 137 -> 128 with both; q2 runs their tests first: if they
-# pass, make it the default and measure tokens/s with and without in q3), and the
-# decode-ahead timeline (--ahead) at N = 1, 8; q6: the
-# host's two modes against the CPUs' topology (pinned 0-7 vs one logical CPU a physical
-# core, alternated); then q3, q4 twice, alternated with MMA=0 where the host's mode allows a
-# comparison (record graph-building ms beside every tokens/s).
+# Next lease (session 20 plan; ~30 min is more than one lease: take them in this order):
+#  1. l1 (carry .gpu_a .gpu_w; models/slotserve-demo.gguf moved out of the tree, ~50 s).
+#  2. TL=0 q2 (carry .gpu_b .gpu_llama, ~5 min): MLX, the 0.8B, llama.cpp's build; the GPU
+#     tests of everything built after session 19's leases (tensor-core x loads, the
+#     one-kernel decode attention, the grouped stacks: TK's default selects them).
+#     If the decode attention's and the grouped stacks' tests pass, make both the default.
+#  3. Q5="base: u2:SLOTSERVE_GEMV_MMA_UNROLL=2 u8:SLOTSERVE_GEMV_MMA_UNROLL=8
+#     s8:SLOTSERVE_GEMV_STAGED_SPLIT=8 s16:SLOTSERVE_GEMV_STAGED_SPLIT=16" AHEAD=0 q5 (~5 min):
+#     the tensor-core products' kernel times, registers and occupancy by tuning.
+#  4. Q5="staged:SLOTSERVE_GEMV_MMA_DIRECT=0 both:SLOTSERVE_ATTENTION_DECODE=1,SLOTSERVE_STACK_GROUPS=1"
+#     q5 (~4 min): staged vs direct x; launches a step 137 -> 128; and the decode-ahead
+#     timeline (--ahead) at N = 1, 8, where the GPU waits for the host as served.
+#  5. q6 (~4 min): the host's two modes against the CPUs' topology.
+#  6. q3 / q4 as time allows (tokens/s A/B with graph-building ms; the suite).
 # Session 19's plan (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
 # tree), q2 (carry .gpu_b .gpu_llama): MLX, the 0.8B, llama.cpp's build started; the tensor-core
 # staged products' GPU tests (cores 11-15 beside the build), timelines at N = 8 with them on,
@@ -110,6 +114,7 @@ q2)  # MLX, the 0.8B, llama.cpp's build; the tensor-core products' tests and tim
     tests/test_swiglu_stack_cuda.py -k "${TK:-tensor_core or bf16_model or decode or groups}" \
     > "$OUT/q2_tests.txt" 2>&1
   tail -n 12 "$OUT/q2_tests.txt"
+  [ "${TL:-1}" = 1 ] || exit 0
   for v in mma:1:0 fma:0:0 mmad:1:mma; do
     IFS=: read name mma dense <<< "$v"
     SLOTSERVE_GEMV_MMA=$mma SLOTSERVE_FUSED_GEMV_DENSE=$dense taskset -c 11-15 timeout 100 \
