@@ -95,7 +95,46 @@ _PREPARE = """
     }
 """
 
-_ATTEND = """
+# Both attention kernels' end: each warp folds its U loaded keys into its online softmax
+# (closing the loop over keys), then the block's warps merge theirs, gate and write the row.
+_KEYS_AND_OUT = """\
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            if (j0 + u > last) break;
+            float s = 0.0f;
+            #pragma unroll
+            for (int e = 0; e < PER; ++e) s += q[e] * kf[u][e];
+            #pragma unroll
+            for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
+            const float m2 = fmaxf(m, s);
+            const float keep = expf(m - m2), p = expf(s - m2);
+            l = l * keep + p;
+            #pragma unroll
+            for (int e = 0; e < PER; ++e) o[e] = o[e] * keep + p * vf[u][e];
+            m = m2;
+        }
+    }
+    if (lane == 0) { part_m[w] = m; part_l[w] = l; }
+    #pragma unroll
+    for (int e = 0; e < PER; ++e) part_o[w][lane + 32 * e] = o[e];
+    __syncthreads();
+    float mm = -1e30f;
+    #pragma unroll
+    for (int i = 0; i < NW; ++i) mm = fmaxf(mm, part_m[i]);
+    float ll = 0.0f;
+    #pragma unroll
+    for (int i = 0; i < NW; ++i) ll += part_l[i] * expf(part_m[i] - mm);
+    for (int d = threadIdx.x; d < D; d += BLOCK) {
+        float acc = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < NW; ++i) acc += part_o[i][d] * expf(part_m[i] - mm);
+        const float g = static_cast<float>(proj[n * W + h * 2 * D + D + d]);
+        out[(n * H + h) * D + d] = static_cast<OUT_T>(acc / ll / (1.0f + expf(-g)));
+    }
+"""
+
+_ATTEND = (
+    """
     constexpr int PER = D / 32;
     constexpr int NW = BLOCK / 32;
     const int lane = threadIdx.x & 31;
@@ -148,47 +187,17 @@ _ATTEND = """
                 vf[u][e] = static_cast<float>(vs[at_v + lane + 32 * e]);
             }
         }
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (j0 + u > last) break;
-            float s = 0.0f;
-            #pragma unroll
-            for (int e = 0; e < PER; ++e) s += q[e] * kf[u][e];
-            #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
-            const float m2 = fmaxf(m, s);
-            const float keep = expf(m - m2), p = expf(s - m2);
-            l = l * keep + p;
-            #pragma unroll
-            for (int e = 0; e < PER; ++e) o[e] = o[e] * keep + p * vf[u][e];
-            m = m2;
-        }
-    }
-    if (lane == 0) { part_m[w] = m; part_l[w] = l; }
-    #pragma unroll
-    for (int e = 0; e < PER; ++e) part_o[w][lane + 32 * e] = o[e];
-    __syncthreads();
-    float mm = -1e30f;
-    #pragma unroll
-    for (int i = 0; i < NW; ++i) mm = fmaxf(mm, part_m[i]);
-    float ll = 0.0f;
-    #pragma unroll
-    for (int i = 0; i < NW; ++i) ll += part_l[i] * expf(part_m[i] - mm);
-    for (int d = threadIdx.x; d < D; d += BLOCK) {
-        float acc = 0.0f;
-        #pragma unroll
-        for (int i = 0; i < NW; ++i) acc += part_o[i][d] * expf(part_m[i] - mm);
-        const float g = static_cast<float>(proj[n * W + h * 2 * D + D + d]);
-        out[(n * H + h) * D + d] = static_cast<OUT_T>(acc / ll / (1.0f + expf(-g)));
-    }
 """
+    + _KEYS_AND_OUT
+)
 
 
 # The decode kernel: `attend` for rows of one token, making its inputs itself. Warp 0 makes
 # the block's query head, warp 1 its group's new key and value, each as `prepare` does (its
 # per-warp scratch is the head's row of `made`), then every warp attends as in `_ATTEND`,
 # the row's one new position read from `made`.
-_DECODE = """
+_DECODE = (
+    """
     constexpr int PER = D / 32;
     constexpr int NW = BLOCK / 32;
     constexpr int HALF = ROPE_DIM / 2;
@@ -294,40 +303,9 @@ _DECODE = """
                 }
             }
         }
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            if (j0 + u > last) break;
-            float s = 0.0f;
-            #pragma unroll
-            for (int e = 0; e < PER; ++e) s += q[e] * kf[u][e];
-            #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
-            const float m2 = fmaxf(m, s);
-            const float keep = expf(m - m2), p = expf(s - m2);
-            l = l * keep + p;
-            #pragma unroll
-            for (int e = 0; e < PER; ++e) o[e] = o[e] * keep + p * vf[u][e];
-            m = m2;
-        }
-    }
-    if (lane == 0) { part_m[w] = m; part_l[w] = l; }
-    #pragma unroll
-    for (int e = 0; e < PER; ++e) part_o[w][lane + 32 * e] = o[e];
-    __syncthreads();
-    float mm = -1e30f;
-    #pragma unroll
-    for (int i = 0; i < NW; ++i) mm = fmaxf(mm, part_m[i]);
-    float ll = 0.0f;
-    #pragma unroll
-    for (int i = 0; i < NW; ++i) ll += part_l[i] * expf(part_m[i] - mm);
-    for (int d = threadIdx.x; d < D; d += BLOCK) {
-        float acc = 0.0f;
-        #pragma unroll
-        for (int i = 0; i < NW; ++i) acc += part_o[i][d] * expf(part_m[i] - mm);
-        const float g = static_cast<float>(proj[n * W + h * 2 * D + D + d]);
-        out[(n * H + h) * D + d] = static_cast<OUT_T>(acc / ll / (1.0f + expf(-g)));
-    }
 """
+    + _KEYS_AND_OUT
+)
 
 DECODE_ENV = "SLOTSERVE_ATTENTION_DECODE"
 
