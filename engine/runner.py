@@ -897,6 +897,7 @@ def verified_logits(outputs: Sequence[RowOutput]) -> tuple[mx.array, list[int]] 
 
 SSM_WRITE_ENV = "SLOTSERVE_POOL_SSM_WRITE"
 STEP_INPUTS_ENV = "SLOTSERVE_STEP_INPUTS"
+STEP_INPUTS = ("host", "device")
 
 
 def ssm_layers_from() -> int | None:
@@ -907,7 +908,11 @@ def ssm_layers_from() -> int | None:
     device — at 64 rows of the 0.8B, 1.2 GB read and written a step — while a write per
     layer costs 16 more launches, which bound a narrow step's time. For measuring: its test
     passes on the H200 (session 12); its speed there is not measured yet."""
-    mode = os.environ.get(SSM_WRITE_ENV, "stacked")
+    return parse_ssm_write(os.environ.get(SSM_WRITE_ENV, "stacked"))
+
+
+def parse_ssm_write(mode: str) -> int | None:
+    """SLOTSERVE_POOL_SSM_WRITE's value as `ssm_layers_from` returns it."""
     if mode == "stacked":
         return None
     if mode == "layers":
@@ -922,7 +927,7 @@ def step_inputs_on_device() -> bool:
     (`StepInputs`; SLOTSERVE_STEP_INPUTS, read when a runner is made): "host" (the default:
     every step's starts written by the host) or "device". For measuring on a GPU first."""
     mode = os.environ.get(STEP_INPUTS_ENV, "host")
-    if mode not in ("host", "device"):
+    if mode not in STEP_INPUTS:
         raise ValueError(f"{STEP_INPUTS_ENV}={mode!r}: host or device")
     return mode == "device"
 

@@ -344,3 +344,30 @@ def test_precompile_compiles_every_decode_shape_before_serving_and_is_checked(
     caplog.clear()
     assert anyio.run(serve, {"SLOTSERVE_PRECOMPILE": "on", "SLOTSERVE_COMPILE": "off"})[0] == 0
     assert any("precompile is on but compile is off" in r.getMessage() for r in caplog.records)
+
+
+def test_serve_check_refuses_bad_engine_switches_naming_each(
+    model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernels read their switches when they first launch, on a GPU: a bad value would
+    fail every step there after the daemon had started. `serve` checks them all first."""
+    monkeypatch.setenv("SLOTSERVE_GEMV_MMA", "yes")
+    monkeypatch.setenv("SLOTSERVE_GDN_WARPS", "32")
+    monkeypatch.setenv("SLOTSERVE_FUSED_ATTENTION", "off")
+    assert cli.main(serve_check(model)) == 2
+    err = capsys.readouterr().err
+    assert "config error: SLOTSERVE_GEMV_MMA='yes': one of 1, 0" in err
+    assert "SLOTSERVE_GDN_WARPS='32': warps a block are 1, 2, 4, 8 or 16" in err
+    assert "SLOTSERVE_FUSED_ATTENTION='off': one of 1, 0" in err
+
+
+def test_serve_check_warns_of_a_switch_nothing_reads(
+    model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SLOTSERVE_GEMV_MAM", "0")  # misspelt: ignored, but said so
+    monkeypatch.setenv("SLOTSERVE_GEMV_MMA", "0")
+    monkeypatch.setenv("SLOTSERVE_SLOTS", "4")  # a setting, not a switch
+    assert cli.main(serve_check(model)) == 0
+    err = capsys.readouterr().err
+    assert "warning: SLOTSERVE_GEMV_MAM is set but nothing reads it" in err
+    assert "SLOTSERVE_SLOTS is set" not in err and "SLOTSERVE_GEMV_MMA is set" not in err

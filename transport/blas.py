@@ -23,7 +23,7 @@ BUNDLED = "bundled"
 OPENBLAS = "openblas"
 DEBIAN_OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
 """`openblas` means this file: Debian/Ubuntu's `libopenblas0-pthread` on x86-64."""
-_REEXEC_MARK = "SLOTSERVE_BLAS_PRELOADED"
+REEXEC_MARK = "SLOTSERVE_BLAS_PRELOADED"
 
 
 class BlasError(ValueError):
@@ -76,9 +76,9 @@ def ensure_preloaded(setting: str, command: Sequence[str]) -> None:
     path = library(setting)
     if path is None or is_mapped(path):
         return
-    if os.environ.get(_REEXEC_MARK) == str(path):
+    if os.environ.get(REEXEC_MARK) == str(path):
         raise BlasError(f"{path} was preloaded but is not loaded: is it a shared library?")
-    env = preload_env(path, os.environ) | {_REEXEC_MARK: str(path)}
+    env = preload_env(path, os.environ) | {REEXEC_MARK: str(path)}
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(command[0], list(command), env)

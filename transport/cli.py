@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -161,12 +161,30 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except (config.ConfigError, blas.BlasError, cpus.CpuError) as e:
         print(f"slotserve serve: config error: {e}", file=sys.stderr)
         return 2
+    if not _engine_switches_ok(os.environ):
+        return 2
     if args.check:
         print(f"slotserve serve: settings are valid: {settings}", file=sys.stderr)
         return 0
     from transport import daemon
 
     return daemon.run(settings)
+
+
+def _engine_switches_ok(env: Mapping[str, str]) -> bool:
+    """The engine's SLOTSERVE_* switches in `env`: every bad value named as a config error
+    (False: do not serve); names nothing reads, warned about."""
+    from engine import switches
+    from transport import blas, config
+    from transport.daemon import faults
+
+    bad = switches.problems(env)
+    for line in bad:
+        print(f"slotserve serve: config error: {line}", file=sys.stderr)
+    ours = {key.env for key in config.KEYS} | {blas.REEXEC_MARK, faults.ENV}
+    for name in switches.unknown(env, ours):
+        print(f"slotserve serve: warning: {name} is set but nothing reads it", file=sys.stderr)
+    return not bad
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -25,6 +25,10 @@ def available() -> bool:
     return bool(mx.cuda.is_available()) and mx.default_device() == mx.gpu
 
 
+FUSED = ("GDN", "ATTENTION", "ADD_NORM", "SWIGLU", "STACK", "EMBED", "GEMV", "GEMV_PROLOGUE")
+"""The fused paths `SLOTSERVE_FUSED_<name>=0` switches off (each "1" by default)."""
+
+
 def switched_on(name: str) -> bool:
     """Whether a fused path runs: on MLX's CUDA backend, unless `SLOTSERVE_FUSED_<name>=0`
     asks for the portable ops (read at each call: tests flip it between models)."""

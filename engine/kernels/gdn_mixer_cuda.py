@@ -258,6 +258,13 @@ WARPS_ENV = "SLOTSERVE_GDN_WARPS"
 FEW_BLOCKS = 264  # two per multiprocessor of an H100 / H200 (132)
 
 
+def fixed_warps(value: str) -> int | None:
+    """SLOTSERVE_GDN_WARPS's value as a count (1, 2, 4, 8 or 16; "": none fixed)."""
+    if value and not (value.isdigit() and int(value) in (1, 2, 4, 8, 16)):
+        raise ValueError(f"{WARPS_ENV}={value!r}: warps a block are 1, 2, 4, 8 or 16")
+    return int(value) if value else None
+
+
 def warps(blocks: int, dv: int) -> int:
     """Warps a block (one row's value head) runs: each warp carries `dv / warps` rows of the
     head's state through the recurrence one after another, two warp reductions a row — the
@@ -269,10 +276,8 @@ def warps(blocks: int, dv: int) -> int:
     count where `dv` allows (benchmarks). Not 32: 1,024 threads of some of the kernel's
     variants ask for more registers than a multiprocessor has (on the H200 the launch of
     128-row heads failed, "too many resources requested", session 18)."""
-    fixed = os.environ.get(WARPS_ENV, "")
-    if fixed and not (fixed.isdigit() and int(fixed) in (1, 2, 4, 8, 16)):
-        raise ValueError(f"{WARPS_ENV}={fixed!r}: warps a block are 1, 2, 4, 8 or 16")
-    nw = int(fixed) if fixed else (16 if blocks <= FEW_BLOCKS else 8)
+    fixed = fixed_warps(os.environ.get(WARPS_ENV, ""))
+    nw = fixed or (16 if blocks <= FEW_BLOCKS else 8)
     while dv % nw:  # (powers of two: halving ends at 1, which divides anything)
         nw //= 2
     return nw

@@ -544,7 +544,7 @@ def dense_mode() -> str:
     rows the tensor-core kernel takes (`mma_takes`) but the widest (`MMA_DENSE_MAX_OUT`) —
     as fast as cuBLASLt on the 0.8B's out projections (session 19), so not the default;
     "1" every one that fits."""
-    return _env_choice(DENSE_ENV, DENSE_MODES) if enabled() else "0"
+    return _switch(DENSE_ENV) if enabled() else "0"
 
 
 MMA_DENSE_MAX_OUT = 16384  # wider plain products stay with cuBLASLt: the 0.8B's LM head at
@@ -631,7 +631,7 @@ STAGED_GROUPS = 8  # output groups per block of the staged kernel (with one warp
 # `split` warps sharing K, 8 // split groups)
 
 
-STAGED_MODES = ("0", "1", "rows")
+STAGED_MODES = ("rows", "0", "1")  # the default first
 CHUNKS_ENV = "SLOTSERVE_GEMV_STAGE_CHUNKS"  # "0": rows wider than the stage are not staged
 # in chunks (they go to the separate kernels, as before session 11): for measuring
 
@@ -645,7 +645,7 @@ def staged_mode() -> str:
     on the unstaged prologue and quantized products on their own kernel (the 9B's one-row
     q8_0 products were 12% slower staged); "1" every product whose rows fit the stage;
     "0" none."""
-    mode = _env_choice(STAGED_ENV, STAGED_MODES, "rows")
+    mode = _switch(STAGED_ENV)
     return mode if prologue_enabled() else "0"
 
 
@@ -670,7 +670,7 @@ def stage_chunk(
     3584 wide (56 KiB), in chunks of 2816 and 768."""
     if rows * K * dtype.size <= STAGE_MAX_BYTES:
         return K
-    if kind == "add_norm" or os.environ.get(CHUNKS_ENV, "1") == "0":
+    if kind == "add_norm" or _switch(CHUNKS_ENV) == "0":
         return 0
     bits = w.bits if isinstance(w, QuantizedWeight) else 8 * w.itemsize
     per_round = 32 * split * (128 // bits)
@@ -694,8 +694,7 @@ def takes_prologue(rows: int, K: int, dtype: mx.Dtype, w: Weight, kind: str = "a
     if rows != 1 or staged_mode() == "1":  # ("1": what the stage does not take, nothing)
         return False
     if isinstance(w, QuantizedWeight):
-        allowed = os.environ.get("SLOTSERVE_GEMV_PROLOGUE_QUANTIZED", "").split(",")
-        return kind in allowed and _preferred(rows, w)
+        return kind in prologue_quantized() and _preferred(rows, w)
     return w.nbytes < PROLOGUE_MAX_BYTES
 
 
@@ -715,7 +714,7 @@ def mma_takes(rows: int, K: int, dtype: mx.Dtype, w: Weight) -> bool:
     "1" by default, "0" for the kernel above): float weights of 2 bytes in x's dtype (bf16
     or f16, the fragments' types) and K in whole rounds of 32 values. Needs sm_80 or later."""
     return (
-        _env_choice(MMA_ENV, ("1", "0")) == "1"
+        _switch(MMA_ENV) == "1"
         and not isinstance(w, QuantizedWeight)
         and dtype in (mx.bfloat16, mx.float16)
         and w.dtype == dtype
@@ -745,7 +744,7 @@ def staged_split(n_out: int, outs: int) -> int:
     blocks, 20 us (H200 timelines, docs/PERFORMANCE.md session 14: the 8-row step's kernels
     2.70 -> 2.24 ms); or "1", 2, 4, 8, 16 for every staged product (the tensor-core
     kernel's "auto" is `mma_split`)."""
-    mode = _env_choice(STAGED_SPLIT_ENV, SPLITS)
+    mode = _switch(STAGED_SPLIT_ENV)
     if mode == "auto":
         return 4 if -(-n_out // (outs * STAGED_GROUPS)) < SMS else 1
     return int(mode)
@@ -753,7 +752,7 @@ def staged_split(n_out: int, outs: int) -> int:
 
 def _staged_split(n_out: int, outs: int, K: int, mma: bool) -> int:
     """`staged_split`, whose "auto" for the tensor-core kernel is `mma_split`."""
-    if mma and _env_choice(STAGED_SPLIT_ENV, SPLITS) == "auto":
+    if mma and _switch(STAGED_SPLIT_ENV) == "auto":
         return mma_split(n_out, K)
     return staged_split(n_out, outs)
 
@@ -770,8 +769,39 @@ STAGED_UNROLL_ENV = "SLOTSERVE_GEMV_STAGED_UNROLL"
 sums either way. Built after session 14's lease; not run on a GPU yet."""
 
 
-def _env_int(name: str, choices: tuple[int, ...]) -> int:
-    return int(_env_choice(name, tuple(str(c) for c in choices)))
+PROLOGUE_QUANTIZED_ENV = "SLOTSERVE_GEMV_PROLOGUE_QUANTIZED"
+
+# Every switch this module reads but SLOTSERVE_FUSED_GEMV(_PROLOGUE) (`cuda.switched_on`):
+# the values it takes, its default first.
+SWITCHES: dict[str, tuple[str, ...]] = {
+    DENSE_ENV: DENSE_MODES,
+    STAGED_ENV: STAGED_MODES,
+    CHUNKS_ENV: ("1", "0"),
+    STAGED_SPLIT_ENV: SPLITS,
+    MMA_ENV: ("1", "0"),
+    MMA_UNROLL_ENV: ("4", "1", "2", "8"),
+    MMA_DIRECT_ENV: ("1", "0"),
+    STAGE_AHEAD_ENV: ("1", "rows"),
+    STAGED_UNROLL_ENV: ("1", "2", "4"),
+}
+
+
+def _switch(name: str) -> str:
+    return _env_choice(name, SWITCHES[name])
+
+
+def prologue_quantized(value: str | None = None) -> list[str]:
+    """The prologue kinds SLOTSERVE_GEMV_PROLOGUE_QUANTIZED names (comma-separated, each one
+    of `PROLOGUES`; none by default), from `value` or the environment."""
+    if value is None:
+        value = os.environ.get(PROLOGUE_QUANTIZED_ENV, "")
+    kinds = [k for k in value.split(",") if k]
+    bad = [k for k in kinds if k not in PROLOGUES]
+    if bad:
+        raise ValueError(
+            f"{PROLOGUE_QUANTIZED_ENV}={value!r}: comma-separated of {', '.join(PROLOGUES)}"
+        )
+    return kinds
 
 
 def _env_choice(name: str, choices: tuple[str, ...], default: str | None = None) -> str:
@@ -874,7 +904,7 @@ def _launch(
     kind = "add_norm" if pro == _ADD_NORM else "swiglu"  # (a plain product chunks as SwiGLU)
     mma = staged and mma_takes(R, K, inputs[0].dtype, w)
     # x read in the product, nothing staged (SLOTSERVE_GEMV_MMA_DIRECT=0: staged, for measuring)
-    direct = mma and pro != _ADD_NORM and _env_choice(MMA_DIRECT_ENV, ("1", "0")) == "1"
+    direct = mma and pro != _ADD_NORM and _switch(MMA_DIRECT_ENV) == "1"
     if mma:
         outs = MMA_OUTS
     if split is None and staged:
@@ -884,8 +914,8 @@ def _launch(
     elif split is None:
         split = split_for(R, N, outs)
     if mma:
-        unroll = unroll or _env_int(MMA_UNROLL_ENV, (4, 1, 2, 8))
-    unroll = unroll or (_env_int(STAGED_UNROLL_ENV, (1, 2, 4)) if staged else 1)
+        unroll = unroll or int(_switch(MMA_UNROLL_ENV))
+    unroll = unroll or (int(_switch(STAGED_UNROLL_ENV)) if staged else 1)
     groups = max(1, STAGED_GROUPS // split) if staged else 1  # at most 256 threads a block
     if not (outs >= 1 and (mma or R * outs <= 32) and unroll >= 1 and 1 <= split * groups <= 32):
         raise ValueError(
@@ -917,7 +947,7 @@ def _launch(
         variant += f"|staged {stage}"
         kernel = cached_kernel(family, variant, names, outputs, source, shared_memory=stage)
         # (the tensor-core kernel's weights are in flight meanwhile: its rows all at once)
-        ahead = R if mma or _env_choice(STAGE_AHEAD_ENV, ("1", "rows")) == "rows" else 1
+        ahead = R if mma or _switch(STAGE_AHEAD_ENV) == "rows" else 1
         extra += [("G", groups), ("KC", chunk), ("RA", ahead)]
         if mma:
             extra += [("BF", int(dtype == mx.bfloat16)), ("DIRECT", int(direct))]
