@@ -95,6 +95,10 @@ def test_stack_groups_are_the_stacks_in_one_launch(
     odd = [*groups[:3], [mx.zeros((3,), mx.float32)] * 2]  # 12 bytes an input
     for g, group in zip(stack_cuda.stack_groups(odd), odd, strict=True):
         assert bool(mx.array_equal(g, mx.stack(group)))
+    # the same layout in other dtypes: its own code (sizes from each group's type)
+    other = [[a.astype(mx.float32) for a in groups[0]], *groups[1:]]
+    for g, group in zip(stack_cuda.stack_groups(other), other, strict=True):
+        assert g.dtype == group[0].dtype and bool(mx.array_equal(g, mx.stack(group)))
 
 
 def test_stack_groups_through_a_model(

@@ -90,9 +90,11 @@ def stack(arrays: list[mx.array]) -> mx.array:
 GROUPS_ENV = "SLOTSERVE_STACK_GROUPS"
 
 # Several stacks in one launch (`stack_groups`): a step's K, V, conv and recurrent states
-# were four launches. Group g's inputs are `a{FIRST[g]}` on, COUNT[g] of one shape and dtype;
-# the kernel copies bytes, 16 a thread, over all groups' outputs laid end to end (one grid
-# axis: a group's idle blocks would cost more than the small groups' copies).
+# were four launches. Group g's inputs are `a{FIRST[g]}` on, all of one shape and of dtype
+# `T{g}` (a template argument: MLX names a compiled kernel by those, so each mix of dtypes
+# gets its own code); the kernel copies bytes, 16 a thread, over all groups' outputs laid
+# end to end (one grid axis: a group's idle blocks would cost more than the small groups'
+# copies).
 _GROUPS_SOURCE = """
     long end[NG], per[NG];  // each group's last piece + 1, counted over all groups; and one
     // input's pieces of 16 bytes (from its first input's shape: every kernel serves every N)
@@ -154,7 +156,7 @@ def stack_groups(groups: Sequence[Sequence[mx.array]]) -> list[mx.array]:
     for i, (f, n) in enumerate(zip(firsts, counts, strict=True)):
         sizes += [
             f"    {{ long e = 1; for (int d = 0; d < a{f}_ndim; ++d) e *= a{f}_shape[d];",
-            f"      per[{i}] = e * long(sizeof(*a{f})) / 16;",
+            f"      per[{i}] = e * long(sizeof(T{i})) / 16;",
             f"      end[{i}] = {f'end[{i - 1}] + ' if i else ''}{n}L * per[{i}]; }}",
         ]
     head = [
@@ -180,6 +182,7 @@ def stack_groups(groups: Sequence[Sequence[mx.array]]) -> list[mx.array]:
     return list(
         kernel(
             inputs=flat,
+            template=[(f"T{i}", g[0].dtype) for i, g in enumerate(groups)],
             grid=(-(-pieces // block) * block, 1, 1),
             threadgroup=(block, 1, 1),
             output_shapes=[(len(g), *g[0].shape) for g in groups],
