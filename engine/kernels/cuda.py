@@ -60,7 +60,9 @@ def cached_kernel(
     made once per process. `contiguous`: MLX copies every input that is not row-contiguous
     before the launch (a kernel that reads its inputs' strides says False).
     `shared_memory`: dynamic shared memory in bytes (a variant must say it: it is fixed per
-    kernel object)."""
+    kernel object). MLX keys the code it compiles by the kernel's name and its template
+    arguments, not by its inputs' types: a type the code depends on (a `sizeof`, a load's
+    width) must be a template argument, or a launch with other types runs the first code."""
     key = (family, variant)
     kernel = _kernels.get(key)
     if kernel is None:
