@@ -50,6 +50,9 @@
 #     tests of everything built after session 19's leases (tensor-core x loads, the
 #     one-kernel decode attention, the grouped stacks: TK's default selects them).
 #     If the decode attention's and the grouped stacks' tests pass, make both the default.
+#     Not yet run on a GPU with the tensor-core products on (the default since session 19):
+#     the rest of tests/test_gemv_prologue_cuda.py, test_gemv_cuda.py and the bf16 model tests
+#     elsewhere (TK="not tensor_core" on those files, ~4 min, beside step 3 if cores allow).
 #  3. Q5="base: u2:SLOTSERVE_GEMV_MMA_UNROLL=2 u8:SLOTSERVE_GEMV_MMA_UNROLL=8
 #     s8:SLOTSERVE_GEMV_STAGED_SPLIT=8 s16:SLOTSERVE_GEMV_STAGED_SPLIT=16" AHEAD=0 q5 (~5 min):
 #     the tensor-core products' kernel times, registers and occupancy by tuning.
