@@ -89,3 +89,51 @@ def test_decode_ahead_is_plain_decode_only() -> None:
     """--ahead times the scheduler's decode-ahead loop, which verify steps do not take."""
     with pytest.raises(SystemExit):
         main(["--ahead", "--verify", "2", "--n", "1"])
+
+
+def _stand_in_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's profiler, standing in for the real one (not installed here; on the GPU machine
+    CUPTI records the kernels): it records nothing and exports an empty trace."""
+    import contextlib
+    import json
+    import types
+
+    torch = types.ModuleType("torch")
+    torch.zeros = lambda *a, **k: None  # type: ignore[attr-defined]
+    profiler = types.ModuleType("torch.profiler")
+
+    class Profile:
+        def __init__(self, **kwargs: object) -> None:
+            pass
+
+        def __enter__(self) -> Profile:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def export_chrome_trace(self, path: str) -> None:
+            Path(path).write_text(json.dumps({"traceEvents": []}))
+
+    profiler.profile = Profile  # type: ignore[attr-defined]
+    profiler.record_function = lambda name: contextlib.nullcontext()  # type: ignore[attr-defined]
+    profiler.ProfilerActivity = types.SimpleNamespace(CPU=0, CUDA=1)  # type: ignore[attr-defined]
+    torch.profiler = profiler  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "torch.profiler", profiler)
+
+
+@pytest.mark.parametrize(
+    "mode", [[], ["--ahead"], ["--verify", "2"]], ids=["plain", "ahead", "verify"]
+)
+def test_its_step_loops_run_on_a_tiny_model(
+    mode: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loops the profiler wraps (plain steps, the decode-ahead loop, verify steps with
+    rollback) run on this CPU's tiny model — what a lease would otherwise find broken."""
+    _stand_in_torch(monkeypatch)
+    args = ["--preset", "tiny", "--quant", "f32", "--dtype", "f32", "--model-dir", str(tmp_path)]
+    args += ["--n", "1,3", "--steps", "2", "--warmup", "1", "--prompt", "8"]
+    result = main([*args, "--trace-dir", str(tmp_path / "trace"), *mode])
+    assert set(result["by_n"]) == {"1", "3"}
+    assert all(s["unprofiled_step_ms"] > 0 for s in result["by_n"].values())
