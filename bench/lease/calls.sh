@@ -61,6 +61,9 @@
 #     timeline (--ahead) at N = 1, 8, where the GPU waits for the host as served.
 #  5. q6 (~4 min): the host's two modes against the CPUs' topology.
 #  6. q3 / q4 as time allows (tokens/s A/B with graph-building ms; the suite).
+#  7. NS=1 CONFIGS=plain:off,mtp:on,mtp:auto ROUNDS=2 c9, the demo model back in the tree (no
+#     carry): MTP at N = 1, whose 5-row verify steps now take the tensor-core products
+#     (best so far 1.44x plain; the target 1.6x).
 # Session 19's plan (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
 # tree), q2 (carry .gpu_b .gpu_llama): MLX, the 0.8B, llama.cpp's build started; the tensor-core
 # staged products' GPU tests (cores 11-15 beside the build), timelines at N = 8 with them on,
