@@ -43,6 +43,7 @@ from engine.models.qwen35 import load_model
 from engine.spec.controller import CostController
 from engine.spec.offline import Request, generate
 
+_DTYPES = {"f32": mx.float32, "bf16": mx.bfloat16, "f16": mx.float16}
 CONFIGS = [("plain", "off"), ("ngram", "on"), ("ngram", "auto"), ("mtp", "on"), ("mtp", "auto")]
 PHASES = ("plan", "catch-up", "chain", "chain wait", "step", "resolve", "rollback")
 # `--host-parts`: inside the plan, the offers, the controller's choice and the drafters'
@@ -237,15 +238,28 @@ def main() -> None:
         help="the speculator's host work by part too (offers, choice, drafters, sampling, "
         "commits): what 'auto' adds to a step where nothing drafts shows against plain:off",
     )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPES),
+        default="f32",
+        help="compute dtype (the daemon's on a GPU: bf16; float32 here by default, as every "
+        "earlier run of this script)",
+    )
+    p.add_argument(
+        "--dense",
+        action="store_true",
+        help='quantized matrices dequantized at load (the daemon\'s weights = "dense")',
+    )
     args = p.parse_args()
-    model = load_model(args.model)
+    model = load_model(args.model, _DTYPES[args.dtype], dense=args.dense)
     if args.ids is not None:
         prompts = held_out_prompts(model, args.ids, args.n, args.prompt_len)["heldout"]
     else:
         prompts = synthetic_prompts(model, args.n)
     rows = []
     print(
-        f"{args.model.name}, N = {args.n}, K = {args.k}, {args.gen} tokens, {mx.default_device()}"
+        f"{args.model.name}, N = {args.n}, K = {args.k}, {args.gen} tokens, {mx.default_device()}, "
+        f"{args.dtype}{', dense' if args.dense else ''}"
     )
     print(
         "| drafter | mode | steps | new shapes | decode ms | "

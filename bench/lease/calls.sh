@@ -61,9 +61,11 @@
 #     timeline (--ahead) at N = 1, 8, where the GPU waits for the host as served.
 #  5. q6 (~4 min): the host's two modes against the CPUs' topology.
 #  6. q3 / q4 as time allows (tokens/s A/B with graph-building ms; the suite).
-#  7. NS=1 CONFIGS=plain:off,mtp:on,mtp:auto ROUNDS=2 c9, the demo model back in the tree (no
-#     carry): MTP at N = 1, whose 5-row verify steps now take the tensor-core products
-#     (best so far 1.44x plain; the target 1.6x).
+#  7. NS=1 CONFIGS=plain:off,mtp:on,mtp:auto ROUNDS=2 SPEC_ARGS="--dtype bf16 --dense" c9, the
+#     demo model back in the tree (no carry): MTP at N = 1 as the daemon runs it on a GPU
+#     (bf16; dense: its q8_0 matrices dequantized, so the 5-row verify steps take the
+#     tensor-core products). Every earlier spec_phases run computed in float32 with the
+#     q8_0 matrices quantized (best so far 1.44x plain; the target 1.6x): run both.
 # Session 19's plan (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
 # tree), q2 (carry .gpu_b .gpu_llama): MLX, the 0.8B, llama.cpp's build started; the tensor-core
 # staged products' GPU tests (cores 11-15 beside the build), timelines at N = 8 with them on,
@@ -222,6 +224,7 @@ c9)  # where a speculative round's time goes on the GPU, MTP's catch-up and chai
   for n in ${NS:-1 8}; do
     timeout ${T:-280} python3 bench/spec_phases.py --model models/slotserve-demo.gguf --n $n --gen ${GEN:-64} \
       --compile --precompile --configs ${CONFIGS:-plain:off,ngram:auto,mtp:on,mtp:auto} --rounds ${ROUNDS:-2} --trace \
+      ${SPEC_ARGS:-} \
       --json "$OUT/c9_phases_n$n.json" > "$OUT/c9_phases_n$n.md" 2>&1
     tail -n 6 "$OUT/c9_phases_n$n.md"
   done ;;
