@@ -68,6 +68,7 @@ from engine.spec.drafters import DFlashDrafter, Drafter, MTPDrafter, NgramDrafte
 from engine.spec.offline import Request, Run, generate
 from engine.spec.speculator import Speculator
 from engine.writer import preset
+from transport.daemon import kv_dtype_for
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "out" / "bench"
@@ -126,7 +127,9 @@ def speculator(
     """One engine per configuration, kept across its runs as a server keeps it."""
     n = len(prompts)
     context = max(len(p) for p in prompts) + args.gen + args.k + 1
-    pool = SlotPool(model.config, n, context, mx.float32, max_draft=args.k)
+    # float32 K/V beside float32 compute, as every earlier run; else the daemon's choice
+    kv = mx.float32 if model.dtype == mx.float32 else kv_dtype_for(model.dtype)
+    pool = SlotPool(model.config, n, context, kv, max_draft=args.k)
     runner = ModelRunner(model, pool, compile=args.compile)
     drafters: list[Drafter] = []
     if drafter == "ngram":
@@ -261,6 +264,13 @@ def main() -> None:
         help="with --compile: every decode and verify shape, and the MTP head's steady ones, "
         "compiled before the runs (the daemon's precompile = all)",
     )
+    ap.add_argument(
+        "--dtype",
+        choices=["f32", "bf16", "f16"],
+        default="f32",
+        help="compute dtype (the daemon's on a GPU: bf16; float32 by default, as earlier runs)",
+    )
+    ap.add_argument("--dense", action="store_true", help="quantized matrices dequantized at load")
     args = ap.parse_args()
     if "plain" not in args.configs.split(","):
         ap.error("--configs needs plain: speed-ups are against it")
@@ -269,7 +279,8 @@ def main() -> None:
     path = args.model or harness.bench_model(
         args.preset, preset(args.preset).quant, tied_embeddings=not args.untied
     )
-    model = load_model(path)
+    dtype = {"f32": mx.float32, "bf16": mx.bfloat16, "f16": mx.float16}[args.dtype]
+    model = load_model(path, dtype, dense=args.dense)
     dflash = None
     if args.dflash == "random":
         OUT.mkdir(parents=True, exist_ok=True)
