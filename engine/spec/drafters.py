@@ -195,8 +195,8 @@ class _NgramIndex:
         self.history = history
         self.lo, self.hi = lo, hi
         self.starts: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(lo, hi + 1)}
-        self.indexed = {n: 0 for n in range(lo, hi + 1)}  # windows [0, indexed) are in
-        self.length = 0
+        self._longest_first = [(n, self.starts[n]) for n in range(hi, lo - 1, -1)]
+        self.length = 0  # the history's length when last indexed: n's windows [0, length - n)
         self.last: object = None
         self.found: int | None = None  # the continuation at `length` (a step asks twice:
         # `available`, then `draft`)
@@ -216,8 +216,11 @@ class _NgramIndex:
         L = len(h)
         if L and self.length == L:
             return self.found
-        for n in range(self.lo, self.hi + 1):  # windows that end before the last position
-            start, stop = self.indexed[n], L - n
+        hi = self.hi
+        if self.length == L - 1 and self.length > hi:  # one token more, past the longest n-gram
+            return self._one_more(h[L - hi - 1 :], L)
+        for n in range(self.lo, hi + 1):  # windows that end before the last position
+            start, stop = max(0, self.length - n), L - n
             if stop - start > self.FEW:
                 windows = zip(*(h[start + j : stop + j] for j in range(n)), strict=True)
                 self.starts[n].update(zip(windows, range(start, stop), strict=True))
@@ -225,10 +228,24 @@ class _NgramIndex:
                 starts = self.starts[n]
                 for i in range(start, stop):
                     starts[tuple(h[i : i + n])] = i
-            self.indexed[n] = max(start, stop)
         self.length, self.last, self.found = L, (h[L - 1] if L else None), None
         for n in range(min(self.hi, L - 1), self.lo - 1, -1):
             at = self.starts[n].get(tuple(h[L - n :]))
+            if at is not None:
+                self.found = at + n
+                break
+        return self.found
+
+    def _one_more(self, tail: Sequence[int], L: int) -> int | None:
+        """`continuation` after one appended token (a decode step's), from `tail`, the last
+        `hi + 1` tokens: each n's one new window and the lookups sliced from it (what the
+        general path does, with less Python a slot and step: ~5 -> ~3 us on this CPU)."""
+        hi = self.hi
+        for n, starts in self._longest_first:  # the window ending just before the last token
+            starts[tuple(tail[hi - n : hi])] = L - 1 - n
+        self.length, self.last, self.found = L, tail[hi], None
+        for n, starts in self._longest_first:
+            at = starts.get(tuple(tail[hi + 1 - n :]))
             if at is not None:
                 self.found = at + n
                 break
