@@ -216,40 +216,31 @@ class _NgramIndex:
         L = len(h)
         if L and self.length == L:
             return self.found
-        hi = self.hi
-        if self.length == L - 1 and self.length > hi:  # one token more, past the longest n-gram
-            return self._one_more(h[L - hi - 1 :], L)
-        for n in range(self.lo, hi + 1):  # windows that end before the last position
+        if self.length == L - 1 and self.length > self.hi:
+            # a decode step's one token: each n's one new window, no ranges or bounds
+            for n, starts in self._longest_first:
+                starts[tuple(h[L - 1 - n : L - 1])] = L - 1 - n
+        else:
+            self._index(h, L)
+        self.length, self.last, self.found = L, (h[L - 1] if L else None), None
+        for n, starts in self._longest_first:  # the longest n-gram that matched wins
+            if n < L:
+                at = starts.get(tuple(h[L - n :]))
+                if at is not None:
+                    self.found = at + n
+                    break
+        return self.found
+
+    def _index(self, h: Sequence[int], L: int) -> None:
+        """Every n's windows that end before position L - 1 and are not indexed yet."""
+        for n, starts in self._longest_first:
             start, stop = max(0, self.length - n), L - n
             if stop - start > self.FEW:
                 windows = zip(*(h[start + j : stop + j] for j in range(n)), strict=True)
-                self.starts[n].update(zip(windows, range(start, stop), strict=True))
-            else:  # a step's few new windows: slices of them, without zip's machinery
-                starts = self.starts[n]
+                starts.update(zip(windows, range(start, stop), strict=True))
+            else:  # a few new windows: slices of them, without zip's machinery
                 for i in range(start, stop):
                     starts[tuple(h[i : i + n])] = i
-        self.length, self.last, self.found = L, (h[L - 1] if L else None), None
-        for n in range(min(self.hi, L - 1), self.lo - 1, -1):
-            at = self.starts[n].get(tuple(h[L - n :]))
-            if at is not None:
-                self.found = at + n
-                break
-        return self.found
-
-    def _one_more(self, tail: Sequence[int], L: int) -> int | None:
-        """`continuation` after one appended token (a decode step's), from `tail`, the last
-        `hi + 1` tokens: each n's one new window and the lookups sliced from it (what the
-        general path does, with less Python a slot and step: ~5 -> ~3 us on this CPU)."""
-        hi = self.hi
-        for n, starts in self._longest_first:  # the window ending just before the last token
-            starts[tuple(tail[hi - n : hi])] = L - 1 - n
-        self.length, self.last, self.found = L, tail[hi], None
-        for n, starts in self._longest_first:
-            at = starts.get(tuple(tail[hi + 1 - n :]))
-            if at is not None:
-                self.found = at + n
-                break
-        return self.found
 
 
 @dataclass
