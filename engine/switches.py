@@ -25,16 +25,14 @@ def _one_of(name: str, values: tuple[str, ...]) -> Callable[[str], None]:
     return check
 
 
-ON_OFF = ("1", "0")
-
 # name -> a check of its value that raises ValueError with the reader's own message
 CHECKS: dict[str, Callable[[str], object]] = {
-    **{f"SLOTSERVE_FUSED_{n}": _one_of(f"SLOTSERVE_FUSED_{n}", ON_OFF) for n in cuda.FUSED},
+    **{f"SLOTSERVE_FUSED_{n}": _one_of(f"SLOTSERVE_FUSED_{n}", cuda.ON_OFF) for n in cuda.FUSED},
     **{name: _one_of(name, values) for name, values in gemv_cuda.SWITCHES.items()},
     gemv_cuda.PROLOGUE_QUANTIZED_ENV: gemv_cuda.prologue_quantized,
     gdn_mixer_cuda.WARPS_ENV: gdn_mixer_cuda.fixed_warps,
-    attention_cuda.DECODE_ENV: _one_of(attention_cuda.DECODE_ENV, ("0", "1")),
-    stack_cuda.GROUPS_ENV: _one_of(stack_cuda.GROUPS_ENV, ("0", "1")),
+    attention_cuda.DECODE_ENV: _one_of(attention_cuda.DECODE_ENV, cuda.ON_OFF),
+    stack_cuda.GROUPS_ENV: _one_of(stack_cuda.GROUPS_ENV, cuda.ON_OFF),
     runner.SSM_WRITE_ENV: runner.parse_ssm_write,
     runner.STEP_INPUTS_ENV: _one_of(runner.STEP_INPUTS_ENV, runner.STEP_INPUTS),
 }

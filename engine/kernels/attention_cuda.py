@@ -29,11 +29,9 @@ Numerics: f32 arithmetic throughout; tests compare with the portable path.
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 
-from engine.kernels.cuda import cached_kernel, switched_on
+from engine.kernels.cuda import cached_kernel, env_flag, switched_on
 
 _PREPARE = """
     constexpr int PER = D / 32;
@@ -318,10 +316,7 @@ def enabled() -> bool:
 def decode_kernel() -> bool:
     """Whether rows of one token take the one-kernel decode path (SLOTSERVE_ATTENTION_DECODE:
     "0", the default until it has run on a GPU, or "1")."""
-    value = os.environ.get(DECODE_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{DECODE_ENV}={value!r}: one of 0, 1")
-    return value == "1"
+    return env_flag(DECODE_ENV)
 
 
 def attention_cuda(

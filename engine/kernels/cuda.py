@@ -29,6 +29,18 @@ FUSED = ("GDN", "ATTENTION", "ADD_NORM", "SWIGLU", "STACK", "EMBED", "GEMV", "GE
 """The fused paths `SLOTSERVE_FUSED_<name>=0` switches off (each "1" by default)."""
 
 
+ON_OFF = ("1", "0")
+
+
+def env_flag(name: str) -> bool:
+    """A switch that is off unless the environment sets it to "1" ("0" or unset: off;
+    anything else raises, naming it)."""
+    value = os.environ.get(name, "0")
+    if value not in ON_OFF:
+        raise ValueError(f"{name}={value!r}: one of {', '.join(ON_OFF)}")
+    return value == "1"
+
+
 def switched_on(name: str) -> bool:
     """Whether a fused path runs: on MLX's CUDA backend, unless `SLOTSERVE_FUSED_<name>=0`
     asks for the portable ops (read at each call: tests flip it between models)."""

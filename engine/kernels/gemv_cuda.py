@@ -736,7 +736,7 @@ def mma_split(n_out: int, K: int) -> int:
     return split
 
 
-def staged_split(n_out: int, outs: int) -> int:
+def staged_split(n_out: int, outs: int, K: int = 0, mma: bool = False) -> int:
     """Warps per output group sharing K in the staged kernel (SLOTSERVE_GEMV_STAGED_SPLIT):
     "auto" (the default): 4 where one warp per group leaves fewer blocks than the GPU has
     multiprocessors, else 1 — the 0.8B's 1024-output down projection at 8 rows made 32
@@ -745,16 +745,11 @@ def staged_split(n_out: int, outs: int) -> int:
     2.70 -> 2.24 ms); or "1", 2, 4, 8, 16 for every staged product (the tensor-core
     kernel's "auto" is `mma_split`)."""
     mode = _switch(STAGED_SPLIT_ENV)
-    if mode == "auto":
-        return 4 if -(-n_out // (outs * STAGED_GROUPS)) < SMS else 1
-    return int(mode)
-
-
-def _staged_split(n_out: int, outs: int, K: int, mma: bool) -> int:
-    """`staged_split`, whose "auto" for the tensor-core kernel is `mma_split`."""
-    if mma and _switch(STAGED_SPLIT_ENV) == "auto":
+    if mode != "auto":
+        return int(mode)
+    if mma:
         return mma_split(n_out, K)
-    return staged_split(n_out, outs)
+    return 4 if -(-n_out // (outs * STAGED_GROUPS)) < SMS else 1
 
 
 STAGE_AHEAD_ENV = "SLOTSERVE_GEMV_STAGE_AHEAD"
@@ -908,7 +903,7 @@ def _launch(
     if mma:
         outs = MMA_OUTS
     if split is None and staged:
-        split = _staged_split(N, outs, K, mma)
+        split = staged_split(N, outs, K, mma)
         # a split whose round of loads is wider than a chunk that fits the stage: one warp
         split = split if direct or stage_chunk(R, K, inputs[0].dtype, w, kind, split) else 1
     elif split is None:

@@ -12,13 +12,12 @@ microseconds on the verify step's critical path; the kernel is one.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 
-from engine.kernels.cuda import cached_kernel, switched_on
+from engine.kernels.cuda import cached_kernel, env_flag, switched_on
 
 _PICK = """    const int k = blockIdx.y;
     const T* src = nullptr;
@@ -128,10 +127,7 @@ _GROUPS_SOURCE = """
 def groups_on() -> bool:
     """Whether `stack_groups` makes its stacks in one launch (SLOTSERVE_STACK_GROUPS: "0",
     the default until it has run on a GPU, or "1")."""
-    value = os.environ.get(GROUPS_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{GROUPS_ENV}={value!r}: one of 0, 1")
-    return value == "1" and enabled()
+    return env_flag(GROUPS_ENV) and enabled()
 
 
 def stack_groups(groups: Sequence[Sequence[mx.array]]) -> list[mx.array]:
