@@ -122,6 +122,10 @@ q2)  # MLX, the 0.8B, llama.cpp's build; the tensor-core products' tests and tim
     tests/test_swiglu_stack_cuda.py -k "${TK:-tensor_core or bf16_model or decode or groups}" \
     > "$OUT/q2_tests.txt" 2>&1
   tail -n 12 "$OUT/q2_tests.txt"
+  # prepare's source was rebuilt from a snippet it shares with the decode kernel (session
+  # 19's review): the whole attention file
+  taskset -c 11-15 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_attention_cuda.py \
+    > "$OUT/q2_tests_attention.txt" 2>&1; tail -n 3 "$OUT/q2_tests_attention.txt"
   [ "${TL:-1}" = 1 ] || exit 0
   for v in mma:1:0 fma:0:0 mmad:1:mma; do
     IFS=: read name mma dense <<< "$v"

@@ -33,7 +33,53 @@ import mlx.core as mx
 
 from engine.kernels.cuda import cached_kernel, env_flag, switched_on
 
-_PREPARE = """
+# One head of `proj`'s packed row n from column `col`: RMS-normalised by its norm weight and
+# rotated at position `pos` into `r`, and for a key (`!is_q`) its value head into `vv`; `y`
+# is the warp's scratch of D floats. Every global load comes before any global store after
+# it (the compiler cannot tell the outputs from the inputs: a load after a store would wait
+# for it, one round trip each).
+_MAKE_HEAD = """\
+    float r[PER], vv[PER];
+    {
+        float x[PER];
+        float ss = 0.0f;
+        #pragma unroll
+        for (int e = 0; e < PER; ++e) {
+            x[e] = static_cast<float>(proj[long(n) * W + col + lane + 32 * e]);
+            ss += x[e] * x[e];
+        }
+        #pragma unroll
+        for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, off);
+        const float inv = rsqrtf(ss / D + EPS);
+        const float* nw = is_q ? q_norm : k_norm;
+        float om[PER];
+        #pragma unroll
+        for (int e = 0; e < PER; ++e) {
+            const int j = lane + 32 * e;
+            om[e] = j < ROPE_DIM ? omega[j < HALF ? j : j - HALF] : 0.0f;
+            vv[e] = is_q ? 0.0f
+                : static_cast<float>(proj[long(n) * W + 2 * H * D + HKV * D + kvh * D + j]);
+        }
+        #pragma unroll
+        for (int e = 0; e < PER; ++e) y[lane + 32 * e] = x[e] * inv * nw[lane + 32 * e];
+        __syncwarp();
+        #pragma unroll
+        for (int e = 0; e < PER; ++e) {
+            const int j = lane + 32 * e;
+            r[e] = y[j];
+            if (j < ROPE_DIM) {
+                const int i = j < HALF ? j : j - HALF;
+                float sn, cs;
+                sincosf(float(pos) * om[e], &sn, &cs);
+                r[e] = j < HALF ? y[j] * cs - y[j + HALF] * sn : y[j] * cs + y[i] * sn;
+            }
+        }
+        __syncwarp();  // every lane's rotation read its partners before y is written again
+    }
+"""
+
+_PREPARE = (
+    """
     constexpr int PER = D / 32;
     constexpr int HALF = ROPE_DIM / 2;
     const int lane = threadIdx.x & 31;
@@ -49,49 +95,21 @@ _PREPARE = """
     const int pos = row_starts[b] + pack_index[n] % T;
     __shared__ float buf[(BLOCK / 32) * D];
     float* y = buf + (threadIdx.x >> 5) * D;
-
-    float x[PER];
-    float ss = 0.0f;
-    #pragma unroll
-    for (int e = 0; e < PER; ++e) {
-        x[e] = static_cast<float>(proj[long(n) * W + col + lane + 32 * e]);
-        ss += x[e] * x[e];
-    }
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, off);
-    const float inv = rsqrtf(ss / D + EPS);
-    const float* w = is_q ? q_norm : k_norm;
-    // Every global load before the first global store (the compiler cannot tell the outputs
-    // from the inputs, so a load after a store would wait for it, one round trip each).
-    float om[PER], vv[PER];
+"""
+    + _MAKE_HEAD
+    + """\
     #pragma unroll
     for (int e = 0; e < PER; ++e) {
         const int j = lane + 32 * e;
-        om[e] = j < ROPE_DIM ? omega[j < HALF ? j : j - HALF] : 0.0f;
-        vv[e] = is_q ? 0.0f
-            : static_cast<float>(proj[long(n) * W + 2 * H * D + HKV * D + kvh * D + j]);
-    }
-    #pragma unroll
-    for (int e = 0; e < PER; ++e) y[lane + 32 * e] = x[e] * inv * w[lane + 32 * e];
-    __syncwarp();
-    #pragma unroll
-    for (int e = 0; e < PER; ++e) {
-        const int j = lane + 32 * e;
-        float r = y[j];
-        if (j < ROPE_DIM) {
-            const int i = j < HALF ? j : j - HALF;
-            float sn, cs;
-            sincosf(float(pos) * om[e], &sn, &cs);
-            r = j < HALF ? y[j] * cs - y[j + HALF] * sn : y[j] * cs + y[i] * sn;
-        }
         if (is_q) {
-            q_out[(long(n) * H + head) * D + j] = static_cast<OUT_T>(r);
+            q_out[(long(n) * H + head) * D + j] = static_cast<OUT_T>(r[e]);
         } else {
-            k_out[(long(n) * HKV + kvh) * D + j] = static_cast<KV_T>(r);
+            k_out[(long(n) * HKV + kvh) * D + j] = static_cast<KV_T>(r[e]);
             v_out[(long(n) * HKV + kvh) * D + j] = static_cast<KV_T>(vv[e]);
         }
     }
 """
+)
 
 # Both attention kernels' end: each warp folds its U loaded keys into its online softmax
 # (closing the loop over keys), then the block's warps merge theirs, gate and write the row.
@@ -219,40 +237,11 @@ _DECODE = (
     if (w < 2) {
         const bool is_q = w == 0;
         const int col = is_q ? h * 2 * D : 2 * H * D + kvh * D;
+        const int pos = start;
         float* y = made[w];
-        float x[PER];
-        float ss = 0.0f;
-        #pragma unroll
-        for (int e = 0; e < PER; ++e) {
-            x[e] = static_cast<float>(proj[n * W + col + lane + 32 * e]);
-            ss += x[e] * x[e];
-        }
-        #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, off);
-        const float inv = rsqrtf(ss / D + EPS);
-        const float* nw = is_q ? q_norm : k_norm;
-        float om[PER], vv[PER], r[PER];
-        #pragma unroll
-        for (int e = 0; e < PER; ++e) {
-            const int j = lane + 32 * e;
-            om[e] = j < ROPE_DIM ? omega[j < HALF ? j : j - HALF] : 0.0f;
-            vv[e] = is_q ? 0.0f : static_cast<float>(proj[n * W + 2 * H * D + HKV * D + kvh * D + j]);
-        }
-        #pragma unroll
-        for (int e = 0; e < PER; ++e) y[lane + 32 * e] = x[e] * inv * nw[lane + 32 * e];
-        __syncwarp();
-        #pragma unroll
-        for (int e = 0; e < PER; ++e) {
-            const int j = lane + 32 * e;
-            r[e] = y[j];
-            if (j < ROPE_DIM) {
-                const int i = j < HALF ? j : j - HALF;
-                float sn, cs;
-                sincosf(float(start) * om[e], &sn, &cs);
-                r[e] = j < HALF ? y[j] * cs - y[j + HALF] * sn : y[j] * cs + y[i] * sn;
-            }
-        }
-        __syncwarp();  // every lane's rotation read its partners before any is overwritten
+"""
+    + _MAKE_HEAD
+    + """\
         const bool writes = !is_q && h % (H / HKV) == 0;  // the group's first head stores
         #pragma unroll
         for (int e = 0; e < PER; ++e) {
