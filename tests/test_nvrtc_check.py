@@ -51,6 +51,12 @@ def test_every_kernel_the_models_meet_compiles(switches: dict[str, str]) -> None
     want = {"add_rms_norm", "attention", "embed", "gdn_mixer", "gemv", "gemv_mma", "gemv_staged"}
     want |= {"stack", "swiglu", "take"} if not switches else {"stack_groups", "swiglu", "take"}
     assert {f"slotserve_{f}" for f in want} <= families, families
+    # each side's own variants were built: the decode attention kernel (rotation and keys a
+    # block: ROPE_DIM and U) on the other side only; tensor-core products that make x in
+    # the product (DIRECT=1) on the defaults' only
+    decode = [x for x in compiled if "attention_" in x and "ROPE_DIM=" in x and ",U=" in x]
+    direct = [x for x in compiled if "gemv_mma_" in x and "DIRECT=1" in x]
+    assert bool(decode) == bool(switches) and bool(direct) != bool(switches)
 
 
 def test_a_kernel_that_does_not_compile_is_reported_with_nvrtc_s_log() -> None:

@@ -59,6 +59,10 @@ def test_the_readers_take_every_value_the_check_passes(
 
 
 def test_the_special_readers_are_the_checks() -> None:
+    """Switches with their own rules are checked by the functions that read them."""
+    assert switches.CHECKS[runner.SSM_WRITE_ENV] is runner.parse_ssm_write
+    assert switches.CHECKS[gdn_mixer_cuda.WARPS_ENV] is gdn_mixer_cuda.fixed_warps
+    assert switches.CHECKS[gemv_cuda.PROLOGUE_QUANTIZED_ENV] is gemv_cuda.prologue_quantized
     assert runner.parse_ssm_write("layers") == 1 and runner.parse_ssm_write("stacked") is None
     assert gdn_mixer_cuda.fixed_warps("") is None and gdn_mixer_cuda.fixed_warps("8") == 8
     assert gemv_cuda.prologue_quantized("") == []
