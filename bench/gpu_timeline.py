@@ -203,24 +203,18 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         out = runner.step([Row(s, p, 0) for s, p in zip(slots, prompts, strict=True)])
         toks = mx.argmax(last_logits(out.rows), axis=-1).tolist()
 
-        ahead: dict[str, Any] = {"tok": mx.array(toks, dtype=mx.int32), "prev": None}
+        # the state a step passes on: its tokens (host ints), or with --ahead its argmax on
+        # the device, which the next step launches on before the host reads it
+        state: Any = mx.array(toks, dtype=mx.int32) if args.ahead else toks
 
-        def step(
-            runner: ModelRunner,
-            slots: list[SlotId],
-            toks: list[int],
-            ahead: dict[str, Any] = ahead,
-        ) -> list[int]:
+        def step(runner: ModelRunner, slots: list[SlotId], toks: Any) -> Any:
             lengths = runner.pool.lengths
-            if args.ahead:  # as the scheduler's decode-ahead: step t + 1 queued on step t's
-                # device argmax before the host reads step t's tokens
-                out = runner.adopt(runner.launch(slots, ahead["tok"]), range(len(slots)))
+            if args.ahead:  # as the scheduler's decode-ahead
+                out = runner.adopt(runner.launch(slots, toks), range(len(slots)))
                 nxt = mx.argmax(last_logits(out.rows), axis=-1)
                 mx.async_eval(nxt)
-                if ahead["prev"] is not None:
-                    ahead["prev"].tolist()
-                ahead["prev"] = ahead["tok"] = nxt
-                return toks
+                toks.tolist()  # step t's tokens to the host while step t + 1 runs
+                return nxt
             if not K:
                 rows = [Row(s, [t], lengths[s]) for s, t in zip(slots, toks, strict=True)]
                 out = runner.step(rows)
@@ -236,15 +230,15 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
             return nxt
 
         for _ in range(args.warmup):
-            toks = step(runner, slots, toks)
+            state = step(runner, slots, state)
         t0 = time.perf_counter()
         for _ in range(args.steps):
-            toks = step(runner, slots, toks)
+            state = step(runner, slots, state)
         plain_ms = (time.perf_counter() - t0) / args.steps * 1e3
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(args.steps):
                 with record_function(STEP):
-                    toks = step(runner, slots, toks)
+                    state = step(runner, slots, state)
         trace = Path(args.trace_dir) / f"timeline_n{n}.json"
         trace.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace))
