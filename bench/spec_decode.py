@@ -56,6 +56,7 @@ from pathlib import Path
 import harness
 import mlx.core as mx
 import numpy as np
+from step_roofline import DTYPES
 
 from engine.cache import SlotPool
 from engine.dflash_writer import DFlashSpec, write_dflash
@@ -115,6 +116,18 @@ def held_out_prompts(model: Model, ids: Path, n: int, length: int) -> dict[str, 
     if len(prompts) < n:
         raise SystemExit(f"{ids}: only {len(prompts)} held-out prompts of {length} tokens")
     return {"heldout": prompts}
+
+
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    """How the model computes: `--dtype` (float32 by default, as every run before session 19;
+    the daemon's on a GPU is bf16, and its pool's K/V dtype follows, `speculator`) and
+    `--dense` (quantized matrices dequantized at load: the daemon's weights = "dense")."""
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="f32", help="compute dtype")
+    ap.add_argument("--dense", action="store_true", help="quantized matrices served dense")
+
+
+def load_engine_model(path: Path, args: argparse.Namespace) -> Model:
+    return load_model(path, DTYPES[args.dtype], dense=args.dense)
 
 
 def speculator(
@@ -264,13 +277,7 @@ def main() -> None:
         help="with --compile: every decode and verify shape, and the MTP head's steady ones, "
         "compiled before the runs (the daemon's precompile = all)",
     )
-    ap.add_argument(
-        "--dtype",
-        choices=["f32", "bf16", "f16"],
-        default="f32",
-        help="compute dtype (the daemon's on a GPU: bf16; float32 by default, as earlier runs)",
-    )
-    ap.add_argument("--dense", action="store_true", help="quantized matrices dequantized at load")
+    add_engine_args(ap)
     args = ap.parse_args()
     if "plain" not in args.configs.split(","):
         ap.error("--configs needs plain: speed-ups are against it")
@@ -279,8 +286,7 @@ def main() -> None:
     path = args.model or harness.bench_model(
         args.preset, preset(args.preset).quant, tied_embeddings=not args.untied
     )
-    dtype = {"f32": mx.float32, "bf16": mx.bfloat16, "f16": mx.float16}[args.dtype]
-    model = load_model(path, dtype, dense=args.dense)
+    model = load_engine_model(path, args)
     dflash = None
     if args.dflash == "random":
         OUT.mkdir(parents=True, exist_ok=True)

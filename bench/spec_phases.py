@@ -36,14 +36,18 @@ from typing import Any
 
 import harness
 import mlx.core as mx
-from spec_decode import held_out_prompts, speculator, synthetic_prompts
+from spec_decode import (
+    add_engine_args,
+    held_out_prompts,
+    load_engine_model,
+    speculator,
+    synthetic_prompts,
+)
 
 import engine.runner
-from engine.models.qwen35 import load_model
 from engine.spec.controller import CostController
 from engine.spec.offline import Request, generate
 
-_DTYPES = {"f32": mx.float32, "bf16": mx.bfloat16, "f16": mx.float16}
 CONFIGS = [("plain", "off"), ("ngram", "on"), ("ngram", "auto"), ("mtp", "on"), ("mtp", "auto")]
 PHASES = ("plan", "catch-up", "chain", "chain wait", "step", "resolve", "rollback")
 # `--host-parts`: inside the plan, the offers, the controller's choice and the drafters'
@@ -238,20 +242,9 @@ def main() -> None:
         help="the speculator's host work by part too (offers, choice, drafters, sampling, "
         "commits): what 'auto' adds to a step where nothing drafts shows against plain:off",
     )
-    p.add_argument(
-        "--dtype",
-        choices=sorted(_DTYPES),
-        default="f32",
-        help="compute dtype (the daemon's on a GPU: bf16; float32 here by default, as every "
-        "earlier run of this script)",
-    )
-    p.add_argument(
-        "--dense",
-        action="store_true",
-        help='quantized matrices dequantized at load (the daemon\'s weights = "dense")',
-    )
+    add_engine_args(p)
     args = p.parse_args()
-    model = load_model(args.model, _DTYPES[args.dtype], dense=args.dense)
+    model = load_engine_model(args.model, args)
     if args.ids is not None:
         prompts = held_out_prompts(model, args.ids, args.n, args.prompt_len)["heldout"]
     else:
