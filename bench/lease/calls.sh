@@ -112,6 +112,16 @@ f2)  # session 18's last lease (~300 s; after l1): timelines after every change,
     > "$OUT/f2_tests.txt" 2>&1; tail -n 2 "$OUT/f2_tests.txt"
   timeout 40 python3 -m pytest -q -p no:cacheprovider tests/test_batching.py -k "gather or padded" \
     > "$OUT/f2_tests_b.txt" 2>&1; tail -n 2 "$OUT/f2_tests_b.txt" ;;
+r2)  # carry .gpu_b, after l1 (session 20, ~3 min): the decode-ahead scatter's 465 us at N = 8
+  # (session 20's q5) against where its positions are made: host (default) or device
+  source .gpu_b/install-mlx-cuda.sh > "$OUT/r2_install.txt" 2>&1; tail -n 1 "$OUT/r2_install.txt"
+  export PYTHONPATH=/tmp/site:$PWD
+  for v in ${R2:-host device}; do
+    SLOTSERVE_STEP_INPUTS=$v taskset -c 0-7 timeout ${TR:-60} python3 bench/gpu_timeline.py \
+      --model-dir $M --preset ${PRESET:-bench-50m} --quant f16 --n 8 --ahead --warmup 3 --steps 6 \
+      --json "$OUT/r2_tl_$v.json" --trace-dir /tmp/trace > "$OUT/r2_tl_$v.md" 2>&1
+    echo "== $v"; grep -E "^N=|scatter|gather|copy_v" "$OUT/r2_tl_$v.md" | cut -c1-150
+  done ;;
 q2)  # MLX, the 0.8B, llama.cpp's build; the tensor-core products' tests and timelines
   source .gpu_b/install-mlx-cuda.sh > "$OUT/q2_install.txt" 2>&1; tail -n 1 "$OUT/q2_install.txt"
   export PYTHONPATH=/tmp/site:$PWD
