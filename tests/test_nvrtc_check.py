@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(
 
 # the switches whose other side builds other kernels (or other variants of one): those too
 OTHER_SIDES = {
-    "SLOTSERVE_ATTENTION_DECODE": "1",
+    "SLOTSERVE_ATTENTION_DECODE": "0",
     "SLOTSERVE_FUSED_GEMV_DENSE": "mma",
     "SLOTSERVE_GEMV_MMA_DIRECT": "0",
     "SLOTSERVE_STACK_GROUPS": "1",
@@ -52,11 +52,11 @@ def test_every_kernel_the_models_meet_compiles(switches: dict[str, str]) -> None
     want |= {"stack", "swiglu", "take"} if not switches else {"stack_groups", "swiglu", "take"}
     assert {f"slotserve_{f}" for f in want} <= families, families
     # each side's own variants were built: the decode attention kernel (rotation and keys a
-    # block: ROPE_DIM and U) on the other side only; tensor-core products that make x in
-    # the product (DIRECT=1) on the defaults' only
+    # block: ROPE_DIM and U) and tensor-core products that make x in the product (DIRECT=1)
+    # on the defaults' side only
     decode = [x for x in compiled if "attention_" in x and "ROPE_DIM=" in x and ",U=" in x]
     direct = [x for x in compiled if "gemv_mma_" in x and "DIRECT=1" in x]
-    assert bool(decode) == bool(switches) and bool(direct) != bool(switches)
+    assert bool(decode) != bool(switches) and bool(direct) != bool(switches)
 
 
 def test_a_kernel_that_does_not_compile_is_reported_with_nvrtc_s_log() -> None:

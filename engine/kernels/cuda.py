@@ -32,10 +32,10 @@ FUSED = ("GDN", "ATTENTION", "ADD_NORM", "SWIGLU", "STACK", "EMBED", "GEMV", "GE
 ON_OFF = ("1", "0")
 
 
-def env_flag(name: str) -> bool:
-    """A switch that is off unless the environment sets it to "1" ("0" or unset: off;
-    anything else raises, naming it)."""
-    value = os.environ.get(name, "0")
+def env_flag(name: str, default: str = "0") -> bool:
+    """A switch that is on where the environment sets it to "1", off where "0", `default`
+    where unset; anything else raises, naming it."""
+    value = os.environ.get(name, default)
     if value not in ON_OFF:
         raise ValueError(f"{name}={value!r}: one of {', '.join(ON_OFF)}")
     return value == "1"
