@@ -76,3 +76,16 @@ def test_unknown_names_are_the_prefixed_ones_nothing_reads() -> None:
         "HOME": "/",
     }
     assert switches.unknown(env, {"SLOTSERVE_SLOTS"}) == ["SLOTSERVE_GEMV_MAM"]
+
+
+def test_the_tensor_core_kernel_takes_at_most_8_warps_a_split(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SLOTSERVE_GEMV_STAGED_SPLIT=16 made the tensor-core kernel a block of 512 threads of
+    ~165 registers, which the H200 refused to launch (session 20): it takes 8 there, and
+    the CUDA-core kernel (a few dozen registers a thread) still 16."""
+    monkeypatch.setenv(gemv_cuda.STAGED_SPLIT_ENV, "16")
+    assert gemv_cuda.staged_split(1024, gemv_cuda.MMA_OUTS, 3584, mma=True) == 8
+    assert gemv_cuda.staged_split(1024, 4) == 16
+    monkeypatch.setenv(gemv_cuda.STAGED_SPLIT_ENV, "4")
+    assert gemv_cuda.staged_split(1024, gemv_cuda.MMA_OUTS, 3584, mma=True) == 4

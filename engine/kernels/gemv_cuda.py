@@ -705,6 +705,10 @@ SMS = 132  # the H200's multiprocessors
 MMA_ENV = "SLOTSERVE_GEMV_MMA"
 MMA_OUTS = 16  # outputs a warp of the tensor-core kernel owns (the fragment's 16 rows)
 MMA_WARPS = 1024  # "auto" splits K until a product has this many warps (or 8 a group)
+# At most 8 warps share K in the tensor-core kernel: 16 make a block of 512 threads, and
+# at its ~165 registers a thread that asks for more than a multiprocessor's 65,536 (the
+# H200 refused the launch: session 20, SLOTSERVE_GEMV_STAGED_SPLIT=16)
+MMA_MAX_SPLIT = 8
 MMA_UNROLL_ENV = "SLOTSERVE_GEMV_MMA_UNROLL"
 MMA_DIRECT_ENV = "SLOTSERVE_GEMV_MMA_DIRECT"
 
@@ -743,10 +747,10 @@ def staged_split(n_out: int, outs: int, K: int = 0, mma: bool = False) -> int:
     blocks and read its 7.3 MB at ~0.2 TB/s, 34 us a launch; with 4 warps a group, 128
     blocks, 20 us (H200 timelines, docs/PERFORMANCE.md session 14: the 8-row step's kernels
     2.70 -> 2.24 ms); or "1", 2, 4, 8, 16 for every staged product (the tensor-core
-    kernel's "auto" is `mma_split`)."""
+    kernel's "auto" is `mma_split`; 16 is 8 there: `MMA_MAX_SPLIT`)."""
     mode = _switch(STAGED_SPLIT_ENV)
     if mode != "auto":
-        return int(mode)
+        return min(int(mode), MMA_MAX_SPLIT) if mma else int(mode)
     if mma:
         return mma_split(n_out, K)
     return 4 if -(-n_out // (outs * STAGED_GROUPS)) < SMS else 1
