@@ -897,7 +897,7 @@ def verified_logits(outputs: Sequence[RowOutput]) -> tuple[mx.array, list[int]] 
 
 SSM_WRITE_ENV = "SLOTSERVE_POOL_SSM_WRITE"
 STEP_INPUTS_ENV = "SLOTSERVE_STEP_INPUTS"
-STEP_INPUTS = ("host", "device")
+STEP_INPUTS = ("device", "host")
 
 
 def ssm_layers_from() -> int | None:
@@ -924,9 +924,14 @@ def parse_ssm_write(mode: str) -> int | None:
 
 def step_inputs_on_device() -> bool:
     """Whether decode steps take their starts from the step before, on the device
-    (`StepInputs`; SLOTSERVE_STEP_INPUTS, read when a runner is made): "host" (the default:
-    every step's starts written by the host) or "device". For measuring on a GPU first."""
-    mode = os.environ.get(STEP_INPUTS_ENV, "host")
+    (`StepInputs`; SLOTSERVE_STEP_INPUTS, read when a runner is made): "device" (the
+    default since session 20) or "host" (every step's starts written by the host). On the
+    H200 a decode-ahead step of 8 rows with host-written starts spent 465 us in each of its
+    pool's K/V stores (4.5 us in the plain loop), whose positions are those starts: a GPU
+    waiting for pages of managed memory the host writes as it builds the next step
+    (docs/PERFORMANCE.md, session 20; the cure is yet to be timed there). Session 12's
+    tokens/s had "device" level with or ahead of "host" (+3.0% at 8 rows, +0.5% at 64)."""
+    mode = os.environ.get(STEP_INPUTS_ENV, "device")
     if mode not in STEP_INPUTS:
         raise ValueError(f"{STEP_INPUTS_ENV}={mode!r}: host or device")
     return mode == "device"
