@@ -2,11 +2,18 @@
 positions, layout arrays) are host-made arrays; on MLX's CUDA backend every array is managed
 memory, so a kernel that reads a page the host just wrote may first wait for it to move to the
 GPU. Session 11's timelines showed an 8-row gather taking 2 us in some steps and 97-161 us in
-others; this measures the gather alone, its indices made three ways:
+others; this measures the gather alone, its indices made five ways:
 
 * `host`: a fresh `mx.array` from a Python list before every evaluation (as a step's inputs);
 * `device`: made on the device from the previous evaluation's, `(prev + 1) % vocab`;
-* `kept`: one array made once and reused.
+* `kept`: one array made once and reused;
+* `pieces`: fresh from the host as in `host`, but as arrays of 2 ids (8 bytes: MLX's
+  small-block pool, whose pages the GPU reads where they lie — one id's gather never
+  waited, session 20) joined on the device by one `stack_cuda.stack` launch;
+* `kept_busy`: `kept`, while the host writes a fresh array of the same size and reads back
+  a small device-made one before each evaluation, as a decode-ahead loop's host does beside
+  the kernels reading its kept arrays (session 20: its K/V store waited 465 us) — whether
+  the host's writes and reads move pages that kept arrays share.
 
 For each, the wall time of `mx.eval` of the gather (an embedding lookup: `rows` ids into a
 `[vocab, hidden]` bf16 table), median / p90 / max over `--evals`, and the same evaluated
@@ -26,6 +33,17 @@ import time
 import harness  # noqa: F401  (puts the repository root on sys.path)
 import mlx.core as mx
 import numpy as np
+
+from engine.kernels import stack_cuda
+
+MODES = ("host", "device", "kept", "pieces", "kept_busy")
+
+
+def pieces(ids: list[int]) -> mx.array:
+    """`ids` as int32 made from arrays of at most 2 ids each, stacked on the device."""
+    even = [*ids, 0] if len(ids) % 2 else ids
+    parts = [mx.array(even[i : i + 2], dtype=mx.int32) for i in range(0, len(even), 2)]
+    return stack_cuda.stack(parts).reshape(-1)[: len(ids)]
 
 
 def stats(xs: list[float]) -> dict[str, float]:
@@ -51,15 +69,23 @@ def measure(rows: int, evals: int, vocab: int, hidden: int, side: int) -> dict[s
                 mx.eval(big @ big)
                 base.append(time.perf_counter() - t)
         floor = float(np.median(base)) if base else 0.0
-        for how in ("host", "device", "kept"):
+        for how in MODES:
             ids = mx.array(rng.integers(0, vocab, rows).tolist(), dtype=mx.int32)
-            mx.eval(ids)
+            echo = ids + 0  # a device-made array of the ids' size, read back by `kept_busy`
+            mx.eval(ids, echo)
             times = []
             for i in range(evals + 5):
                 if how == "host":
                     ids = mx.array(rng.integers(0, vocab, rows).tolist(), dtype=mx.int32)
                 elif how == "device":
                     ids = (ids + 1) % vocab
+                elif how == "pieces":
+                    ids = pieces(rng.integers(0, vocab, rows).tolist())
+                elif how == "kept_busy":
+                    fresh = mx.array(rng.integers(0, vocab, rows).tolist(), dtype=mx.int32)
+                    echo = fresh + 1
+                    mx.eval(echo)
+                    echo.tolist()
                 t = time.perf_counter()
                 if behind:
                     mx.eval(big @ big, table[ids])
@@ -85,7 +111,7 @@ def main() -> None:
     print("| rows | indices | alone p50 / p90 / max | behind a product p50 / p90 / max |")
     print("|---|---|---|---|")
     for r in results:
-        for how in ("host", "device", "kept"):
+        for how in MODES:
             a, b = r[how], r[f"{how}_behind"]
             assert isinstance(a, dict) and isinstance(b, dict)
             print(

@@ -66,6 +66,20 @@
 #     (bf16; dense: its q8_0 matrices dequantized, so the 5-row verify steps take the
 #     tensor-core products). Every earlier spec_phases run computed in float32 with the
 #     q8_0 matrices quantized (best so far 1.44x plain; the target 1.6x): run both.
+# Session 20 ran one lease: l1, TL=0 q2, q5 (tunings), q5 (staged, both; --ahead), a
+# tokens/s sweep of both, c9 three ways, q4 (SNS=1,8): PERFORMANCE.md "Session 20".
+# Next lease (session 21 plan):
+#  1. l1 (carry .gpu_a .gpu_w; models/slotserve-demo.gguf moved out of the tree, ~50 s).
+#  2. r2 (carry .gpu_b, ~6 min): MLX; the --ahead timeline at N = 8 with host- against
+#     device-made positions (is the store's 465 us gone with "device", the default now?);
+#     input_faults.py with ids from 8-byte pieces and kept ids beside a busy host; tokens/s
+#     host vs device, decode-ahead, N = 8 and 32, in turn.
+#  3. If "device" did not remove the wait: ids from pieces (input_faults' `pieces`) for the
+#     positions and token ids a step's host writes — a change to make on the CPU first.
+#  4. TL=0 TK="groups" q2 (carry .gpu_b .gpu_llama: llama.cpp's build) — or, with the grouped
+#     stack off for good, the suite (q4, carry .gpu_w) with session 20's defaults.
+#  5. c9 with NS=1 GEN=128 ROUNDS=3 CONFIGS=plain:off,mtp:on,mtp:auto SPEC_ARGS="--dtype bf16"
+#     (the demo model back in the tree): MTP in bf16 over session 17's length.
 # Session 19's plan (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
 # tree), q2 (carry .gpu_b .gpu_llama): MLX, the 0.8B, llama.cpp's build started; the tensor-core
 # staged products' GPU tests (cores 11-15 beside the build), timelines at N = 8 with them on,
@@ -112,16 +126,27 @@ f2)  # session 18's last lease (~300 s; after l1): timelines after every change,
     > "$OUT/f2_tests.txt" 2>&1; tail -n 2 "$OUT/f2_tests.txt"
   timeout 40 python3 -m pytest -q -p no:cacheprovider tests/test_batching.py -k "gather or padded" \
     > "$OUT/f2_tests_b.txt" 2>&1; tail -n 2 "$OUT/f2_tests_b.txt" ;;
-r2)  # carry .gpu_b, after l1 (session 20, ~3 min): the decode-ahead scatter's 465 us at N = 8
-  # (session 20's q5) against where its positions are made: host (default) or device
+r2)  # carry .gpu_b, after l1 (session 20, ~6 min): the decode-ahead scatter's 465 us at N = 8
+  # (session 20's q5) against where its positions are made: host or device (the default
+  # since session 20); the 0.8B's file is written by the first timeline (~30 s)
   source .gpu_b/install-mlx-cuda.sh > "$OUT/r2_install.txt" 2>&1; tail -n 1 "$OUT/r2_install.txt"
   export PYTHONPATH=/tmp/site:$PWD
   for v in ${R2:-host device}; do
     SLOTSERVE_STEP_INPUTS=$v taskset -c 0-7 timeout ${TR:-60} python3 bench/gpu_timeline.py \
-      --model-dir $M --preset ${PRESET:-bench-50m} --quant f16 --n 8 --ahead --warmup 3 --steps 6 \
+      --model-dir $M --preset ${PRESET:-qwen3.5-0.8b} --quant f16 --n 8 --ahead --warmup 3 --steps 6 \
       --json "$OUT/r2_tl_$v.json" --trace-dir /tmp/trace > "$OUT/r2_tl_$v.md" 2>&1
     echo "== $v"; grep -E "^N=|scatter|gather|copy_v" "$OUT/r2_tl_$v.md" | cut -c1-150
-  done ;;
+  done
+  # host-written ids as 8-byte pieces; kept ids beside a busy host (~40 s)
+  taskset -c 0-7 timeout 90 python3 bench/input_faults.py --rows 1,8,64 --evals 200 \
+    --json "$OUT/r2_faults.json" > "$OUT/r2_faults.md" 2>&1; tail -n 16 "$OUT/r2_faults.md"
+  # then tokens/s, decode-ahead, host vs device positions, in turn (~3 min)
+  [ "${R2_SWEEP:-1}" = 1 ] || exit 0
+  taskset -c 0-7 timeout 300 python3 bench/mlx_env_sweep.py --model-dir $M --preset ${PRESET:-qwen3.5-0.8b} \
+    --quant f16 --gen 32 --n 8,32 --json "$OUT/r2_sweep.json" \
+    --setting host_1:SLOTSERVE_STEP_INPUTS=host,ARGS=--overlap --setting device_1:ARGS=--overlap \
+    --setting device_2:ARGS=--overlap --setting host_2:SLOTSERVE_STEP_INPUTS=host,ARGS=--overlap \
+    > "$OUT/r2_sweep.md" 2>&1; tail -n 12 "$OUT/r2_sweep.md" ;;
 q2)  # MLX, the 0.8B, llama.cpp's build; the tensor-core products' tests and timelines
   source .gpu_b/install-mlx-cuda.sh > "$OUT/q2_install.txt" 2>&1; tail -n 1 "$OUT/q2_install.txt"
   export PYTHONPATH=/tmp/site:$PWD
