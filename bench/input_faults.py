@@ -9,7 +9,8 @@ others; this measures the gather alone, its indices made five ways:
 * `kept`: one array made once and reused;
 * `pieces`: fresh from the host as in `host`, but as arrays of 2 ids (8 bytes: MLX's
   small-block pool, whose pages the GPU reads where they lie — one id's gather never
-  waited, session 20) joined on the device by one `stack_cuda.stack` launch;
+  waited, session 20) joined on the device by one stack launch (`stack_cuda.from_host`,
+  as SLOTSERVE_HOST_PIECES=1 makes a step's inputs; it takes 3 to 64 ids);
 * `kept_busy`: `kept`, while the host writes a fresh array of the same size and reads back
   a small device-made one before each evaluation, as a decode-ahead loop's host does beside
   the kernels reading its kept arrays (session 20: its K/V store waited 465 us) — whether
@@ -37,13 +38,6 @@ import numpy as np
 from engine.kernels import stack_cuda
 
 MODES = ("host", "device", "kept", "pieces", "kept_busy")
-
-
-def pieces(ids: list[int]) -> mx.array:
-    """`ids` as int32 made from arrays of at most 2 ids each, stacked on the device."""
-    even = [*ids, 0] if len(ids) % 2 else ids
-    parts = [mx.array(even[i : i + 2], dtype=mx.int32) for i in range(0, len(even), 2)]
-    return stack_cuda.stack(parts).reshape(-1)[: len(ids)]
 
 
 def stats(xs: list[float]) -> dict[str, float]:
@@ -80,7 +74,9 @@ def measure(rows: int, evals: int, vocab: int, hidden: int, side: int) -> dict[s
                 elif how == "device":
                     ids = (ids + 1) % vocab
                 elif how == "pieces":
-                    ids = pieces(rng.integers(0, vocab, rows).tolist())
+                    ids = stack_cuda.from_host(
+                        rng.integers(0, vocab, rows).tolist(), mx.int32, True
+                    )
                 elif how == "kept_busy":
                     fresh = mx.array(rng.integers(0, vocab, rows).tolist(), dtype=mx.int32)
                     echo = fresh + 1

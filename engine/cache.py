@@ -353,7 +353,7 @@ class SlotPool:
         for slot, start, n in zip(slots, starts, lengths, strict=True):
             tok_slot.extend([slot] * n)
             tok_pos.extend(range(start, start + n))
-        return mx.array(tok_slot, dtype=mx.int32), mx.array(tok_pos, dtype=mx.int32)
+        return stack_cuda.from_host(tok_slot, mx.int32), stack_cuda.from_host(tok_pos, mx.int32)
 
     def read_mtp(
         self,

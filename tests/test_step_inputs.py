@@ -1,7 +1,8 @@
 """SLOTSERVE_STEP_INPUTS=device: a decode step takes its rows' starts from the step before,
-made on the device, and kept slot / output-index arrays (`engine.runner.StepInputs`). Only
-where the arrays are made may change: every output and every byte of the pool must be what
-host-made arrays give."""
+made on the device, and kept slot / output-index arrays (`engine.runner.StepInputs`); and
+SLOTSERVE_HOST_PIECES=1: a step's small host-made inputs come as 8-byte pieces stacked on
+the device (`stack_cuda.from_host`). Only where the arrays are made may change: every
+output and every byte of the pool must be what host-made arrays give."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from engine.cache import SlotPool
+from engine.kernels import stack_cuda
 from engine.models.qwen35 import Model, load_model
 from engine.runner import ModelRunner, Row, StepInputs
 
@@ -80,10 +82,20 @@ def test_starts_made_on_the_device_change_no_output_and_no_state(
     # the one before), 3 of the 4 decode-ahead steps after the first launch, the partial
     # launch after them, and the last plain step of 2 rows
     assert derived == 5 * 2 + 1 + 3 + 1 + 1
-    assert len(host_logits) == len(dev_logits)
-    for a, b in zip(host_logits, dev_logits, strict=True):
+    assert_same_run(host_logits, host_state, dev_logits, dev_state)
+
+
+def assert_same_run(
+    logits: list[np.ndarray],
+    state: list[list[np.ndarray]],
+    other_logits: list[np.ndarray],
+    other_state: list[list[np.ndarray]],
+) -> None:
+    """Two runs of `run_mixed_workload` gave every output and every state byte alike."""
+    assert len(logits) == len(other_logits)
+    for a, b in zip(logits, other_logits, strict=True):
         assert np.array_equal(a, b)
-    for a, b in zip(host_state, dev_state, strict=True):
+    for a, b in zip(state, other_state, strict=True):
         assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
@@ -111,3 +123,33 @@ def test_a_bad_step_inputs_mode_is_refused(model: Model, monkeypatch: pytest.Mon
     monkeypatch.setenv("SLOTSERVE_STEP_INPUTS", "gpu")
     with pytest.raises(ValueError, match="SLOTSERVE_STEP_INPUTS"):
         ModelRunner(model, SlotPool(model.config, 2, 16, mx.float32))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_inputs_made_from_pieces_change_no_output_and_no_state(
+    model: Model, compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pieces path forced on this CPU (on CUDA it is SLOTSERVE_HOST_PIECES=1), where the
+    stack falls back to `mx.stack`: the same values, so the same step, bit for bit."""
+    plain_logits, plain_state, _ = run_mixed_workload(model, compiled, True)
+    monkeypatch.setattr(stack_cuda, "pieces_on", lambda: True)
+    logits, state, _ = run_mixed_workload(model, compiled, True)
+    assert_same_run(plain_logits, plain_state, logits, state)
+
+
+def test_from_host_is_the_values_whichever_way_it_makes_them() -> None:
+    for pieces in (False, True):
+        for values in (
+            [],
+            [7],
+            [1, 2],
+            [3, 4, 5],
+            list(range(9)),
+            list(range(64)),
+            list(range(65)),
+        ):
+            made = stack_cuda.from_host(values, mx.int32, pieces)
+            assert made.dtype == mx.int32 and made.tolist() == values
+        floats = [0.5, -0.25, 0.125, 3.0, 1e-3]
+        made = stack_cuda.from_host(floats, mx.float32, pieces)
+        assert made.dtype == mx.float32 and made.tolist() == [np.float32(f) for f in floats]

@@ -86,6 +86,38 @@ def stack(arrays: list[mx.array]) -> mx.array:
     return out
 
 
+PIECES_ENV = "SLOTSERVE_HOST_PIECES"
+PIECES_MAX = 64  # values; more (a prefill's tokens) come as one array: host time per piece
+
+
+def pieces_on() -> bool:
+    """Whether `from_host` makes arrays from pieces (SLOTSERVE_HOST_PIECES: "0", the default
+    until the H200 has timed it — `bench/input_faults.py`'s `pieces` — or "1")."""
+    return env_flag(PIECES_ENV) and enabled()
+
+
+def from_host(
+    values: list[Any] | tuple[Any, ...], dtype: mx.Dtype, pieces: bool | None = None
+) -> mx.array:
+    """`mx.array(values, dtype)` for a step's small 1-D input, made so that the GPU need not
+    wait for it (`pieces`, default `pieces_on()`): MLX's CUDA backend keeps a host-made
+    array in managed memory, and a kernel reading a page the host has just written waits for
+    it to move — an 8-row embedding gather of host-written ids took 115-181 us on the H200
+    where one row's took 3 (docs/PERFORMANCE.md, session 20). One row's id is 4 bytes, and
+    arrays of up to 8 bytes come from the allocator's small-block pool, whose pages the GPU
+    reads where they lie. So: 4-byte values of 3 to `PIECES_MAX` as arrays of 2, their count
+    rounded up to a power of two (a stack kernel per count: a few, not one per length), then
+    ONE stack launch on the device, a view of the first `len(values)`."""
+    n = len(values)
+    use = pieces_on() if pieces is None else pieces
+    if not (use and 2 < n <= PIECES_MAX and dtype.size == 4):
+        return mx.array(values, dtype=dtype)
+    count = 1 << (-(-n // 2) - 1).bit_length()
+    flat = [*values, *[0] * (2 * count - n)]
+    parts = [mx.array(flat[i : i + 2], dtype=dtype) for i in range(0, 2 * count, 2)]
+    return stack(parts).reshape(-1)[:n]
+
+
 GROUPS_ENV = "SLOTSERVE_STACK_GROUPS"
 
 # Several stacks in one launch (`stack_groups`): a step's K, V, conv and recurrent states
