@@ -74,8 +74,9 @@
 #     device-made positions (is the store's 465 us gone with "device", the default now?);
 #     input_faults.py with ids from 8-byte pieces and kept ids beside a busy host; tokens/s
 #     host vs device, decode-ahead, N = 8 and 32, in turn.
-#  3. If "device" did not remove the wait: ids from pieces (input_faults' `pieces`) for the
-#     positions and token ids a step's host writes — a change to make on the CPU first.
+#  3. If pieces removed the gather's wait (r2's plain vs pieces timelines, input_faults):
+#     SLOTSERVE_HOST_PIECES=1 in tokens/s (speculation's verify steps write their ids from
+#     the host every round: c9 with and without it), then the default.
 #  4. TL=0 TK="groups" q2 (carry .gpu_b .gpu_llama: llama.cpp's build) — or, with the grouped
 #     stack off for good, the suite (q4, carry .gpu_w) with session 20's defaults.
 #  5. c9 with NS=1 GEN=128 ROUNDS=3 CONFIGS=plain:off,mtp:on,mtp:auto SPEC_ARGS="--dtype bf16"
@@ -126,16 +127,19 @@ f2)  # session 18's last lease (~300 s; after l1): timelines after every change,
     > "$OUT/f2_tests.txt" 2>&1; tail -n 2 "$OUT/f2_tests.txt"
   timeout 40 python3 -m pytest -q -p no:cacheprovider tests/test_batching.py -k "gather or padded" \
     > "$OUT/f2_tests_b.txt" 2>&1; tail -n 2 "$OUT/f2_tests_b.txt" ;;
-r2)  # carry .gpu_b, after l1 (session 20, ~6 min): the decode-ahead scatter's 465 us at N = 8
-  # (session 20's q5) against where its positions are made: host or device (the default
-  # since session 20); the 0.8B's file is written by the first timeline (~30 s)
+r2)  # carry .gpu_b, after l1 (session 20, ~7 min): the decode-ahead store's 465 us at N = 8
+  # (session 20's q5) with host- or device-made positions (the default since session 20),
+  # and the plain loop's 8-row token gather (115-181 us) with ids from pieces or not; the
+  # 0.8B's file is written by the first timeline (~30 s)
   source .gpu_b/install-mlx-cuda.sh > "$OUT/r2_install.txt" 2>&1; tail -n 1 "$OUT/r2_install.txt"
   export PYTHONPATH=/tmp/site:$PWD
-  for v in ${R2:-host device}; do
-    SLOTSERVE_STEP_INPUTS=$v taskset -c 0-7 timeout ${TR:-60} python3 bench/gpu_timeline.py \
-      --model-dir $M --preset ${PRESET:-qwen3.5-0.8b} --quant f16 --n 8 --ahead --warmup 3 --steps 6 \
-      --json "$OUT/r2_tl_$v.json" --trace-dir /tmp/trace > "$OUT/r2_tl_$v.md" 2>&1
-    echo "== $v"; grep -E "^N=|scatter|gather|copy_v" "$OUT/r2_tl_$v.md" | cut -c1-150
+  for v in ${R2:-host:SLOTSERVE_STEP_INPUTS=host:--ahead device::--ahead plain::- \
+      pieces:SLOTSERVE_HOST_PIECES=1:- pieces_ahead:SLOTSERVE_HOST_PIECES=1:--ahead}; do
+    IFS=: read name setting loop <<< "$v"; [ "$loop" = - ] && loop=
+    env $setting taskset -c 0-7 timeout ${TR:-70} python3 bench/gpu_timeline.py \
+      --model-dir $M --preset ${PRESET:-qwen3.5-0.8b} --quant f16 --n 8 $loop --warmup 3 \
+      --steps 6 --json "$OUT/r2_tl_$name.json" --trace-dir /tmp/trace > "$OUT/r2_tl_$name.md" 2>&1
+    echo "== $name"; grep -E "^N=|scatter|gather|copy_v|stack" "$OUT/r2_tl_$name.md" | cut -c1-150
   done
   # host-written ids as 8-byte pieces; kept ids beside a busy host (~40 s)
   taskset -c 0-7 timeout 90 python3 bench/input_faults.py --rows 1,8,64 --evals 200 \
