@@ -127,14 +127,18 @@ f2)  # session 18's last lease (~300 s; after l1): timelines after every change,
     > "$OUT/f2_tests.txt" 2>&1; tail -n 2 "$OUT/f2_tests.txt"
   timeout 40 python3 -m pytest -q -p no:cacheprovider tests/test_batching.py -k "gather or padded" \
     > "$OUT/f2_tests_b.txt" 2>&1; tail -n 2 "$OUT/f2_tests_b.txt" ;;
-r2)  # carry .gpu_b, after l1 (session 20, ~7 min): the decode-ahead store's 465 us at N = 8
+r2)  # carry .gpu_b, after l1 (session 20, ~9 min: TR=60 or fewer R2 entries if short): the decode-ahead store's 465 us at N = 8
   # (session 20's q5) with host- or device-made positions (the default since session 20),
   # and the plain loop's 8-row token gather (115-181 us) with ids from pieces or not; the
   # 0.8B's file is written by the first timeline (~30 s)
   source .gpu_b/install-mlx-cuda.sh > "$OUT/r2_install.txt" 2>&1; tail -n 1 "$OUT/r2_install.txt"
   export PYTHONPATH=/tmp/site:$PWD
+  # session 20's pieces and its second grouped stack (whole file, ~2 min)
+  timeout ${TT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_swiglu_stack_cuda.py \
+    > "$OUT/r2_tests.txt" 2>&1; tail -n 3 "$OUT/r2_tests.txt"
   for v in ${R2:-host:SLOTSERVE_STEP_INPUTS=host:--ahead device::--ahead plain::- \
-      pieces:SLOTSERVE_HOST_PIECES=1:- pieces_ahead:SLOTSERVE_HOST_PIECES=1:--ahead}; do
+      pieces:SLOTSERVE_HOST_PIECES=1:- pieces_ahead:SLOTSERVE_HOST_PIECES=1:--ahead \
+      groups:SLOTSERVE_STACK_GROUPS=1:-}; do
     IFS=: read name setting loop <<< "$v"; [ "$loop" = - ] && loop=
     env $setting taskset -c 0-7 timeout ${TR:-70} python3 bench/gpu_timeline.py \
       --model-dir $M --preset ${PRESET:-qwen3.5-0.8b} --quant f16 --n 8 $loop --warmup 3 \

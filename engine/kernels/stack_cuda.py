@@ -123,29 +123,36 @@ GROUPS_ENV = "SLOTSERVE_STACK_GROUPS"
 # Several stacks in one launch (`stack_groups`): a step's K, V, conv and recurrent states
 # were four launches. Group g's inputs are `a{FIRST[g]}` on, all of one shape and of dtype
 # `T{g}` (a template argument: MLX names a compiled kernel by those, so each mix of dtypes
-# gets its own code); the kernel copies bytes, 16 a thread, over all groups' outputs laid
-# end to end (one grid axis: a group's idle blocks would cost more than the small groups'
-# copies).
+# gets its own code); each thread copies 16 bytes. Blocks are dealt out input by input —
+# group g's inputs `blocks[g]` blocks each, the groups' runs of blocks end to end — so a
+# block finds its input from a few numbers every thread of it shares, and no block idles
+# (a grid row per input would leave the small inputs' rows all but empty). The first form
+# divided 64-bit piece counts in every thread and took 237 us of an 8-row 0.8B step where
+# the four stacks take ~83 (H200, session 20).
 _GROUPS_SOURCE = """
-    long end[NG], per[NG];  // each group's last piece + 1, counted over all groups; and one
-    // input's pieces of 16 bytes (from its first input's shape: every kernel serves every N)
+    constexpr int B = 256;  // threads a block (the launch's)
+    unsigned blocks[NG], start[NG + 1];  // blocks an input of each group; each group's first
+    long per[NG];  // 16-byte pieces an input of each group (from its first input's shape)
+    start[0] = 0;
 {sizes}
-    const long c = long(blockIdx.x) * blockDim.x + threadIdx.x;
-    if (c >= end[NG - 1]) return;
+    const unsigned b = blockIdx.x;
+    if (b >= start[NG]) return;
     int g = 0;
-    while (c >= end[g]) ++g;
-    const long local = c - (g ? end[g - 1] : 0);
-    const int input = FIRST[g] + int(local / per[g]);
+    while (b >= start[g + 1]) ++g;
+    const unsigned local = b - start[g];
+    const unsigned within = local / blocks[g];  // the input, within its group
+    const long piece = long(local - within * blocks[g]) * B + threadIdx.x;
+    if (piece >= per[g]) return;
     const unsigned char* src = nullptr;
-    switch (input) {{
+    switch (FIRST[g] + int(within)) {{
 {inputs}
     }}
     unsigned char* dst = nullptr;
     switch (g) {{
 {outputs}
     }}
-    src += (local % per[g]) * 16;
-    dst += local * 16;
+    src += piece * 16;
+    dst += (long(within) * per[g] + piece) * 16;
     if ((reinterpret_cast<unsigned long long>(src) | reinterpret_cast<unsigned long long>(dst))
             % 16 == 0) {{
         *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
@@ -158,9 +165,10 @@ _GROUPS_SOURCE = """
 
 def groups_on() -> bool:
     """Whether `stack_groups` makes its stacks in one launch (SLOTSERVE_STACK_GROUPS: "0",
-    the default, or "1"). Off: on the H200 (session 20) the one launch took 237 us of an
-    8-row 0.8B step where the four it replaces took ~83 — each thread's 64-bit division
-    and its switch over inputs cost more than three launches' ~35 us of host time save."""
+    the default, or "1"). Off: on the H200 (session 20) its first form took 237 us of an
+    8-row 0.8B step where the four stacks it replaces took ~83, more than three launches'
+    ~35 us of host time save; the form now (blocks dealt out input by input, no 64-bit
+    division a thread) has not run on a GPU."""
     return env_flag(GROUPS_ENV) and enabled()
 
 
@@ -187,7 +195,8 @@ def stack_groups(groups: Sequence[Sequence[mx.array]]) -> list[mx.array]:
         sizes += [
             f"    {{ long e = 1; for (int d = 0; d < a{f}_ndim; ++d) e *= a{f}_shape[d];",
             f"      per[{i}] = e * long(sizeof(T{i})) / 16;",
-            f"      end[{i}] = {f'end[{i - 1}] + ' if i else ''}{n}L * per[{i}]; }}",
+            f"      blocks[{i}] = unsigned((per[{i}] + B - 1) / B);",
+            f"      start[{i + 1}] = start[{i}] + {n}u * blocks[{i}]; }}",
         ]
     head = [
         f"    constexpr int NG = {len(groups)};",
@@ -207,13 +216,13 @@ def stack_groups(groups: Sequence[Sequence[mx.array]]) -> list[mx.array]:
     names = [f"a{k}" for k in range(len(flat))]
     outs = [f"out{i}" for i in range(len(groups))]
     kernel = cached_kernel("stack_groups", ",".join(map(str, counts)), names, outs, source)
-    pieces = sum(n * g[0].nbytes // 16 for n, g in zip(counts, groups, strict=True))
-    block = 256
+    block = 256  # (the kernel's B)
+    blocks = sum(n * -(-g[0].nbytes // 16 // block) for n, g in zip(counts, groups, strict=True))
     return list(
         kernel(
             inputs=flat,
             template=[(f"T{i}", g[0].dtype) for i, g in enumerate(groups)],
-            grid=(-(-pieces // block) * block, 1, 1),
+            grid=(blocks * block, 1, 1),
             threadgroup=(block, 1, 1),
             output_shapes=[(len(g), *g[0].shape) for g in groups],
             output_dtypes=[g[0].dtype for g in groups],
