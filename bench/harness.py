@@ -65,7 +65,7 @@ def bench_model(preset_name: str, quant: str, **overrides: Any) -> Path:
 @dataclass(frozen=True)
 class Side:
     """One contender of a run: `kind` is "ours", "llama" or "mlx-lm"; `env` is set in its
-    process; `blas` names the BLAS under MLX ("bundled" or "openblas"; "" for llama.cpp)."""
+    process; `blas` names the BLAS under MLX ("bundled", "openblas", "numpy"; "" for llama.cpp)."""
 
     name: str
     kind: str
@@ -80,8 +80,8 @@ DTYPES = ["float32", "bfloat16", "float16"]
 
 
 def blas_env(blas: str, n_threads: int) -> dict[str, str]:
-    """The environment that puts `blas` (the daemon's `blas` setting: "bundled", "openblas"
-    or a library path) under MLX in a new process, as `slotserve serve --blas` does."""
+    """The environment that puts `blas` (the daemon's `blas` setting: "bundled", "openblas",
+    "numpy" or a library path) under MLX in a new process, as `slotserve serve --blas` does."""
     try:
         path = blas_setting.library(blas)
     except blas_setting.BlasError as e:
@@ -101,8 +101,15 @@ def run_on_blas(blas: str) -> None:
 
 
 def default_blas() -> str:
-    """OpenBLAS where Debian's is installed, else MLX's bundled BLAS."""
-    return blas_setting.OPENBLAS if OPENBLAS.is_file() else blas_setting.BUNDLED
+    """OpenBLAS where one can be had — Debian's if installed, else numpy's through the shim
+    (`blas = numpy`) if it can be built — else MLX's bundled BLAS."""
+    if OPENBLAS.is_file():
+        return blas_setting.OPENBLAS
+    try:
+        blas_setting.numpy_shim()
+    except blas_setting.BlasError:
+        return blas_setting.BUNDLED
+    return blas_setting.NUMPY
 
 
 def sides_for(
@@ -115,7 +122,7 @@ def sides_for(
     dense: bool = False,
     ahead: bool = False,
 ) -> list[Side]:
-    """Our engine once per BLAS in `blas` ("bundled" | "openblas"), then mlx-lm once per BLAS
+    """Our engine once per BLAS in `blas` ("bundled" | "openblas" | "numpy"), then mlx-lm once per BLAS
     (if in `peers`), then llama.cpp (if in `peers`). `dense`: ours dequantizes a quantized
     file's matrices at load (the daemon's `weights = "dense"`); the peers do not. `ahead`:
     ours once more per BLAS, as "ours-ahead", queueing each step on the previous one's tokens
@@ -283,8 +290,9 @@ def add_contender_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--blas",
         type=lambda s: s.split(","),
-        default=["bundled", "openblas"] if OPENBLAS.exists() else ["bundled"],
-        help="our engine once per BLAS: bundled, openblas (default: both if OpenBLAS is installed)",
+        default=sorted({"bundled", default_blas()}),
+        help="our engine once per BLAS: bundled, openblas, numpy (default: bundled and, where "
+        "one can be had, openblas or else numpy)",
     )
     p.add_argument(
         "--peers",

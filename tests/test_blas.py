@@ -1,8 +1,13 @@
-"""The daemon's `blas` setting: a preloaded OpenBLAS decodes the same tokens as MLX's bundled
-BLAS, and a library that is not there stops the daemon with an error saying what to do."""
+"""The daemon's `blas` setting: a preloaded OpenBLAS (Debian's, or numpy's through the shim
+built on first use) decodes the same tokens as MLX's bundled BLAS, and a library that is
+not there stops the daemon with an error saying what to do."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +20,19 @@ from transport.daemon.demo import Supervised
 
 needs_openblas = pytest.mark.skipif(
     not blas.DEBIAN_OPENBLAS.is_file(), reason="apt-get install libopenblas0-pthread"
+)
+
+
+def _numpy_shim_buildable() -> bool:
+    try:
+        blas.numpy_openblas()
+    except blas.BlasError:
+        return False
+    return shutil.which(os.environ.get("CC") or "cc") is not None
+
+
+needs_numpy_shim = pytest.mark.skipif(
+    not _numpy_shim_buildable(), reason="numpy bundles no OpenBLAS here, or no C compiler"
 )
 
 
@@ -40,23 +58,68 @@ def daemon_maps(pid: int) -> str:
     return Path(f"/proc/{pid}/maps").read_text()
 
 
-@needs_openblas
-def test_openblas_daemon_decodes_what_the_bundled_blas_daemon_decodes(
-    model: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    "setting",
+    [
+        pytest.param(blas.OPENBLAS, marks=needs_openblas),
+        pytest.param(blas.NUMPY, marks=needs_numpy_shim),
+    ],
+)
+def test_a_preloaded_blas_daemon_decodes_what_the_bundled_blas_daemon_decodes(
+    model: Path, tmp_path: Path, setting: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the shim's build, if any
     runs = {}
-    for setting in (blas.BUNDLED, blas.OPENBLAS):
-        endpoint = f"ipc://{tmp_path}/{setting}.sock"
+    for s in (blas.BUNDLED, setting):
+        endpoint = f"ipc://{tmp_path}/{s}.sock"
         args = ["--model", str(model), "--endpoints", endpoint, "--context", "128"]
-        args += ["--metrics-address", "", "--speculation", "off", "--blas", setting]
+        args += ["--metrics-address", "", "--speculation", "off", "--blas", s]
         with Supervised(args, endpoint) as daemon:
             assert daemon.proc is not None
             maps = daemon_maps(daemon.proc.pid)  # the same pid after the re-execution
-            runs[setting] = anyio.run(greedy_tokens, endpoint)
+            runs[s] = anyio.run(greedy_tokens, endpoint)
         assert daemon.returncode == 0
-        assert (str(blas.DEBIAN_OPENBLAS) in maps) == (setting == blas.OPENBLAS)
-    assert runs[blas.OPENBLAS] == runs[blas.BUNDLED]
+        library = blas.library(setting)
+        assert library is not None and (str(library) in maps) == (s == setting)
+    assert runs[setting] == runs[blas.BUNDLED]
     assert all(len(t) == 24 for t in runs[blas.BUNDLED])
+
+
+@needs_numpy_shim
+def test_the_numpy_shim_is_built_once_and_runs_mlx_products(tmp_path: Path) -> None:
+    """Built into the cache on first use, the same file afterwards; preloaded, MLX's float32
+    products (8 rows, as a batched step's) are numpy's to float32 rounding, and the
+    process maps numpy's OpenBLAS."""
+    shim = blas.numpy_shim(tmp_path)
+    built = shim.stat().st_mtime_ns
+    assert blas.numpy_shim(tmp_path) == shim and shim.stat().st_mtime_ns == built
+    code = (
+        "import mlx.core as mx, numpy as np\n"
+        "mx.set_default_device(mx.cpu)\n"
+        "a = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32)\n"
+        "w = np.random.default_rng(1).standard_normal((384, 512)).astype(np.float32)\n"
+        "got = np.array(mx.array(a) @ mx.array(w).T)\n"
+        "assert np.allclose(got, a @ w.T, rtol=1e-4, atol=1e-3), abs(got - a @ w.T).max()\n"
+        "print(open('/proc/self/maps').read())\n"
+    )
+    env = blas.preload_env(shim, os.environ, threads=2)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert str(shim) in res.stdout and str(blas.numpy_openblas()) in res.stdout
+
+
+def test_the_numpy_shim_without_a_compiler_says_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    try:
+        blas.numpy_openblas()
+    except blas.BlasError as e:  # (a numpy without OpenBLAS: that is the error then)
+        assert "bundles no OpenBLAS" in str(e) or "lacks" in str(e)
+        return
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    with pytest.raises(blas.BlasError, match="needs a C compiler"):
+        blas.numpy_shim(tmp_path)
+    assert not list(tmp_path.glob("*.so"))
 
 
 def test_a_missing_blas_library_stops_serve_with_what_to_do(
@@ -81,16 +144,13 @@ def test_blas_takes_bundled_openblas_or_a_library_path(
     model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert cli.main(["serve", "--model", str(model), "--blas", "mkl", "--check"]) == 2
-    assert "expected bundled, openblas or an absolute path" in capsys.readouterr().err
+    assert "expected bundled, openblas, numpy or an absolute path" in capsys.readouterr().err
     assert cli.main(["serve", "--model", str(model), "--blas", "bundled", "--check"]) == 0
 
 
 def test_a_library_that_cannot_be_preloaded_is_an_error_not_a_loop(
     model: Path, tmp_path: Path
 ) -> None:
-    import subprocess
-    import sys
-
     fake = tmp_path / "libblas.so.3"
     fake.write_text("not a shared library")
     cmd = [sys.executable, "-m", "transport.cli", "serve", "--model", str(model)]

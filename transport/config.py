@@ -62,7 +62,7 @@ class DaemonConfig:
     metrics_address: str | None = "127.0.0.1:9464"  # host:port; None = no metrics server
     pid_file: Path | None = None
     drain_timeout: float = 30.0  # seconds in-flight requests may run after SIGTERM
-    blas: str = "bundled"  # BLAS under MLX's CPU backend: bundled, openblas or a library path
+    blas: str = "bundled"  # BLAS under MLX's CPU backend: bundled, openblas, numpy or a .so path
     weights: str = "stored"  # "stored": matrices as the file has them; "dense": dequantized
     dtype: str = "auto"  # compute dtype; "auto": bfloat16 on a GPU, float32 on the CPU
     compile: str = "auto"  # "on": mx.compile each recurring batch shape's step; "auto": on a GPU
@@ -237,7 +237,12 @@ KEYS = (
     Key("metrics_address", _address, 'Prometheus endpoint host:port ("" = off)'),
     Key("pid_file", _optional_path, "write the process id here while running"),
     Key("drain_timeout", _seconds, "seconds in-flight requests may run after SIGTERM"),
-    Key("blas", _blas, "BLAS under MLX on a Linux CPU: bundled, openblas or a CBLAS .so path"),
+    Key(
+        "blas",
+        _blas,
+        "BLAS under MLX on a Linux CPU: bundled, openblas (Debian's), numpy (the OpenBLAS "
+        "numpy bundles, through a shim built on first use) or a CBLAS .so path",
+    ),
     Key(
         "weights",
         _choice(WEIGHTS),

@@ -179,16 +179,18 @@ def run_demo(model: Path, duration_s: float, concurrency: int, max_tokens: int, 
 
 
 def fast_cpu_settings() -> list[str]:
-    """The demo model is small enough to serve dense (f32) and, where the system has it, on
-    OpenBLAS: a one-token step 1.6x faster than the stored q8_0 on MLX's bundled BLAS and
-    a second token in a row 6% more instead of 85% (`bench/row_cost.py`,
-    docs/PERFORMANCE.md); on a GPU neither matters."""
+    """The demo model is small enough to serve dense (f32) and on OpenBLAS — Debian's where
+    installed, else numpy's through its shim where one can be built: a one-token step 1.6x
+    faster than the stored q8_0 on MLX's bundled BLAS and a second token in a row 6% more
+    instead of 85% (`bench/row_cost.py`, docs/PERFORMANCE.md); on a GPU neither matters."""
     args = ["--weights", "dense"]
-    try:
-        blas.library(blas.OPENBLAS)
-    except blas.BlasError:
-        return args
-    return [*args, "--blas", blas.OPENBLAS]
+    for setting in (blas.OPENBLAS, blas.NUMPY):
+        try:
+            blas.library(setting)
+        except blas.BlasError:
+            continue
+        return [*args, "--blas", setting]
+    return args
 
 
 def print_samples(endpoint: str, prompts: Sequence[str], max_tokens: int) -> None:
