@@ -41,6 +41,11 @@ class BlasError(ValueError):
     """The BLAS setting cannot be honoured on this machine; the message says what to do."""
 
 
+def on_linux() -> bool:
+    """Where a preloaded BLAS applies."""
+    return sys.platform.startswith("linux")
+
+
 def numpy_openblas() -> Path:
     """The OpenBLAS numpy's Linux wheel bundles (`numpy.libs/libscipy_openblas64_*.so`),
     checked to export what the shim calls. Raises `BlasError` naming what is missing."""
@@ -104,7 +109,7 @@ def library(setting: str) -> Path | None:
     missing (for "numpy": if numpy bundles no OpenBLAS, or the shim cannot be built)."""
     if setting == BUNDLED:
         return None
-    if not sys.platform.startswith("linux"):
+    if not on_linux():
         raise BlasError(f"a preloaded BLAS is for Linux; on {sys.platform} use {BUNDLED}")
     if setting == NUMPY:
         return numpy_shim()

@@ -39,7 +39,7 @@ from engine.spec.dflash import load_dflash
 from engine.spec.drafters import DFlashDrafter
 from engine.spec.speculator import Speculator, default_drafters
 from engine.tokenizer import Tokenizer
-from transport import cpus
+from transport import blas, cpus
 from transport import protocol as p
 from transport.config import DaemonConfig
 from transport.daemon import faults, heap, logs
@@ -108,6 +108,11 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
         dtype,
         "on" if on_a_gpu_if_auto(config.compile) else "off",
     )
+    if mx.default_device() == mx.cpu and config.blas == blas.BUNDLED and blas.on_linux():
+        log.info(
+            "blas = bundled: float products run on MLX's reference BLAS, one thread; "
+            "blas = numpy (or openblas) decodes 8 rows ~6x faster (docs/OPERATIONS.md)"
+        )
     t0 = time.perf_counter()
     kv_dtype = kv_dtype_for(dtype)
     pool = SlotPool(cfg, config.slots, config.context, kv_dtype, max_draft=config.max_draft)
