@@ -70,10 +70,10 @@
 # tokens/s sweep of both, c9 three ways, q4 (SNS=1,8): PERFORMANCE.md "Session 20".
 # Next lease (session 21 plan):
 #  1. l1 (carry .gpu_a .gpu_w; models/slotserve-demo.gguf moved out of the tree, ~50 s).
-#  2. r2 (carry .gpu_b, ~6 min): MLX; the --ahead timeline at N = 8 with host- against
-#     device-made positions (is the store's 465 us gone with "device", the default now?);
-#     input_faults.py with ids from 8-byte pieces and kept ids beside a busy host; tokens/s
-#     host vs device, decode-ahead, N = 8 and 32, in turn.
+#  2. r2 (carry .gpu_b, ~5 min): MLX; the --ahead timeline at N = 8 with host- against
+#     device-made positions (is the store's 465 us gone with "device", the default now?),
+#     the plain loop with ids from pieces or not; r3 (~5 min): the stack tests, two more
+#     timelines, input_faults.py's new modes; r4 (~5 min): tokens/s host vs device.
 #  3. If pieces removed the gather's wait (r2's plain vs pieces timelines, input_faults):
 #     SLOTSERVE_HOST_PIECES=1 in tokens/s (speculation's verify steps write their ids from
 #     the host every round: c9 with and without it), then the default.
@@ -127,34 +127,39 @@ f2)  # session 18's last lease (~300 s; after l1): timelines after every change,
     > "$OUT/f2_tests.txt" 2>&1; tail -n 2 "$OUT/f2_tests.txt"
   timeout 40 python3 -m pytest -q -p no:cacheprovider tests/test_batching.py -k "gather or padded" \
     > "$OUT/f2_tests_b.txt" 2>&1; tail -n 2 "$OUT/f2_tests_b.txt" ;;
-r2)  # carry .gpu_b, after l1 (session 20, ~9 min: TR=60 or fewer R2 entries if short): the decode-ahead store's 465 us at N = 8
+r2)  # carry .gpu_b, after l1 (session 20, ~5 min): the decode-ahead store's 465 us at N = 8
   # (session 20's q5) with host- or device-made positions (the default since session 20),
-  # and the plain loop's 8-row token gather (115-181 us) with ids from pieces or not; the
-  # 0.8B's file is written by the first timeline (~30 s)
+  # and the plain loop's 8-row token gather (115-181 us) with ids from pieces or not
   source .gpu_b/install-mlx-cuda.sh > "$OUT/r2_install.txt" 2>&1; tail -n 1 "$OUT/r2_install.txt"
   export PYTHONPATH=/tmp/site:$PWD
-  # session 20's pieces and its second grouped stack (whole file, ~2 min)
+  LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > "$OUT/r2_setup.txt" 2>&1  # ~26 s
+  R2=${R2:-host:SLOTSERVE_STEP_INPUTS=host:--ahead device::--ahead plain::- \
+      pieces:SLOTSERVE_HOST_PIECES=1:-} bash "$0" tl ;;
+r3)  # after r2 (~5 min): the stack file's GPU tests (pieces, the second grouped stack), two
+  # more timelines, input_faults with its new modes
+  export PYTHONPATH=/tmp/site:$PWD
   timeout ${TT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_swiglu_stack_cuda.py \
-    > "$OUT/r2_tests.txt" 2>&1; tail -n 3 "$OUT/r2_tests.txt"
-  for v in ${R2:-host:SLOTSERVE_STEP_INPUTS=host:--ahead device::--ahead plain::- \
-      pieces:SLOTSERVE_HOST_PIECES=1:- pieces_ahead:SLOTSERVE_HOST_PIECES=1:--ahead \
-      groups:SLOTSERVE_STACK_GROUPS=1:-}; do
-    IFS=: read name setting loop <<< "$v"; [ "$loop" = - ] && loop=
-    env $setting taskset -c 0-7 timeout ${TR:-70} python3 bench/gpu_timeline.py \
-      --model-dir $M --preset ${PRESET:-qwen3.5-0.8b} --quant f16 --n 8 $loop --warmup 3 \
-      --steps 6 --json "$OUT/r2_tl_$name.json" --trace-dir /tmp/trace > "$OUT/r2_tl_$name.md" 2>&1
-    echo "== $name"; grep -E "^N=|scatter|gather|copy_v|stack" "$OUT/r2_tl_$name.md" | cut -c1-150
-  done
-  # host-written ids as 8-byte pieces; kept ids beside a busy host (~40 s)
+    > "$OUT/r3_tests.txt" 2>&1; tail -n 3 "$OUT/r3_tests.txt"
+  R2=${R3:-pieces_ahead:SLOTSERVE_HOST_PIECES=1:--ahead groups:SLOTSERVE_STACK_GROUPS=1:-} \
+    bash "$0" tl
   taskset -c 0-7 timeout 90 python3 bench/input_faults.py --rows 1,8,64 --evals 200 \
-    --json "$OUT/r2_faults.json" > "$OUT/r2_faults.md" 2>&1; tail -n 16 "$OUT/r2_faults.md"
-  # then tokens/s, decode-ahead, host vs device positions, in turn (~3 min)
-  [ "${R2_SWEEP:-1}" = 1 ] || exit 0
-  taskset -c 0-7 timeout 300 python3 bench/mlx_env_sweep.py --model-dir $M --preset ${PRESET:-qwen3.5-0.8b} \
-    --quant f16 --gen 32 --n 8,32 --json "$OUT/r2_sweep.json" \
+    --json "$OUT/r3_faults.json" > "$OUT/r3_faults.md" 2>&1; tail -n 16 "$OUT/r3_faults.md" ;;
+r4)  # after r3 (~5 min): tokens/s, decode-ahead, host vs device positions, in turn
+  export PYTHONPATH=/tmp/site:$PWD
+  taskset -c 0-7 timeout 300 python3 bench/mlx_env_sweep.py --model-dir $M --preset qwen3.5-0.8b \
+    --quant f16 --gen 32 --n 8,32 --json "$OUT/r4_sweep.json" \
     --setting host_1:SLOTSERVE_STEP_INPUTS=host,ARGS=--overlap --setting device_1:ARGS=--overlap \
     --setting device_2:ARGS=--overlap --setting host_2:SLOTSERVE_STEP_INPUTS=host,ARGS=--overlap \
-    > "$OUT/r2_sweep.md" 2>&1; tail -n 12 "$OUT/r2_sweep.md" ;;
+    > "$OUT/r4_sweep.md" 2>&1; tail -n 12 "$OUT/r4_sweep.md" ;;
+tl)  # timelines at N = 8 of R2's entries, name:SETTING[,SETTING]:LOOP ("-": the plain loop)
+  export PYTHONPATH=/tmp/site:$PWD
+  for v in $R2; do
+    IFS=: read name setting loop <<< "$v"; [ "$loop" = - ] && loop=
+    env ${setting//,/ } taskset -c 0-7 timeout ${TR:-90} python3 bench/gpu_timeline.py \
+      --model-dir $M --preset qwen3.5-0.8b --quant f16 --n 8 $loop --warmup 3 --steps 6 \
+      --json "$OUT/tl_$name.json" --trace-dir /tmp/trace > "$OUT/tl_$name.md" 2>&1
+    echo "== $name"; grep -E "^N=|scatter|gather|copy_v|stack" "$OUT/tl_$name.md" | cut -c1-150
+  done ;;
 q2)  # MLX, the 0.8B, llama.cpp's build; the tensor-core products' tests and timelines
   source .gpu_b/install-mlx-cuda.sh > "$OUT/q2_install.txt" 2>&1; tail -n 1 "$OUT/q2_install.txt"
   export PYTHONPATH=/tmp/site:$PWD
