@@ -1,0 +1,121 @@
+"""The graph a decode step builds on the CUDA path, counted on any machine.
+
+On a GPU the host pays for a step twice per node: building (or, compiled, replaying) the
+graph, and launching each kernel. This builds one decode step's graph of N rows (its
+logits, new states and next starts) with every fused path on and each of our kernels
+stood in for by zeros tied to its inputs (`mx.depends`), and counts the nodes by kind: our
+kernels by family, MLX's own operations (cuBLAS products, gathers, copies, views) by
+primitive. The stand-ins' own nodes (`Full`, `Broadcast`, `Depends`) are not counted. It
+counts what the graph holds, not what any of it costs.
+
+    python bench/graph_nodes.py [--preset qwen3.5-0.8b] [--n 1,8] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import harness  # noqa: F401  (puts the repository root on sys.path)
+import mlx.core as mx
+from step_roofline import DTYPES, add_model_args, ensure_model
+
+STAND_INS = {"Full", "Broadcast", "Depends"}
+
+
+@contextmanager
+def kernels_stood_in(calls: list[str]) -> Iterator[None]:
+    """Every fused path on; each kernel launch appends its family to `calls` and returns
+    zeros that depend on its inputs."""
+    from engine.kernels import cuda
+
+    def kernel(**kw: Any) -> Any:
+        family = kw["name"].removeprefix("slotserve_").rsplit("_", 1)[0]
+
+        def launch(
+            *,
+            inputs: Sequence[mx.array],
+            output_shapes: Sequence[Sequence[int]],
+            output_dtypes: Sequence[mx.Dtype],
+            **_: Any,
+        ) -> list[mx.array]:
+            calls.append(family)
+            outs = [
+                mx.zeros(tuple(s), d) for s, d in zip(output_shapes, output_dtypes, strict=True)
+            ]
+            return mx.depends(outs, list(inputs))
+
+        return launch
+
+    saved = (mx.fast.cuda_kernel, cuda.available, dict(cuda._kernels))
+    mx.fast.cuda_kernel = kernel
+    cuda.available = lambda: True
+    cuda._kernels.clear()
+    try:
+        yield
+    finally:
+        mx.fast.cuda_kernel, cuda.available = saved[0], saved[1]
+        cuda._kernels.clear()
+        cuda._kernels.update(saved[2])
+
+
+def count(path: Path, dtype: mx.Dtype, n: int) -> dict[str, Any]:
+    """One decode step of `n` rows at start 0: our kernels by family, MLX's nodes by kind."""
+    from engine.cache import SlotPool
+    from engine.gguf import GGUFFile
+    from engine.models.qwen35 import Model
+    from engine.runner import ModelRunner
+
+    calls: list[str] = []
+    with kernels_stood_in(calls):
+        model = Model(GGUFFile(path), dtype)
+        pool = SlotPool(model.config, n, 64, dtype)
+        runner = ModelRunner(model, pool, compile=False)
+        slots = [pool.allocate() for _ in range(n)]
+        mx.eval(pool.conv, pool.ssm)  # (the slots' zeroing: not the step's)
+        tokens = mx.zeros((n,), mx.int32)
+        _, (logits, _, new, _, _, after) = runner._decode_forward(slots, [0] * n, tokens)
+        with tempfile.TemporaryDirectory() as tmp:
+            dot = Path(tmp) / "step.dot"
+            mx.export_to_dot(str(dot), logits, *new, after)
+            labels = re.findall(r'label ?= ?"?([A-Za-z_]+)', dot.read_text())
+    ops = collections.Counter(x for x in labels if x not in STAND_INS)
+    return {
+        "n": n,
+        "kernels": dict(collections.Counter(calls).most_common()),
+        "mlx_ops": dict(ops.most_common()),
+        "kernel_calls": len(calls),
+        "mlx_nodes": sum(ops.values()),
+    }
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_model_args(p, n="1,8")
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    path = ensure_model(args.preset, args.quant, Path(args.model_dir))
+    results = [count(path, DTYPES[args.dtype], n) for n in args.n]
+    print(f"{path.name}, {args.dtype}, a decode step on the CUDA path (kernels stood in for)")
+    print("| N | our kernels | MLX nodes | kernels by family | MLX nodes by kind |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        fams = ", ".join(f"{k} {v}" for k, v in r["kernels"].items())
+        kinds = ", ".join(f"{k} {v}" for k, v in r["mlx_ops"].items())
+        print(f"| {r['n']} | {r['kernel_calls']} | {r['mlx_nodes']} | {fams} | {kinds} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    sys.stdout.flush()
+    return results
+
+
+if __name__ == "__main__":
+    main()
