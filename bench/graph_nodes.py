@@ -55,16 +55,8 @@ def kernels_stood_in(calls: list[str]) -> Iterator[None]:
 
         return launch
 
-    saved = (mx.fast.cuda_kernel, cuda.available, dict(cuda._kernels))
-    mx.fast.cuda_kernel = kernel
-    cuda.available = lambda: True
-    cuda._kernels.clear()
-    try:
+    with cuda.kernels_replaced(kernel):
         yield
-    finally:
-        mx.fast.cuda_kernel, cuda.available = saved[0], saved[1]
-        cuda._kernels.clear()
-        cuda._kernels.update(saved[2])
 
 
 def count(path: Path, dtype: mx.Dtype, n: int) -> dict[str, Any]:

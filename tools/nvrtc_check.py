@@ -174,16 +174,8 @@ def kernels_checked(nvrtc: Nvrtc) -> Iterator[None]:
     """Every fused path on, each kernel launch compiled instead of run."""
     from engine.kernels import cuda
 
-    saved = (mx.fast.cuda_kernel, cuda.available, dict(cuda._kernels))
-    mx.fast.cuda_kernel = lambda **kw: Checked(nvrtc, kw)
-    cuda.available = lambda: True
-    cuda._kernels.clear()
-    try:
+    with cuda.kernels_replaced(lambda **kw: Checked(nvrtc, kw)):
         yield
-    finally:
-        mx.fast.cuda_kernel, cuda.available = saved[0], saved[1]
-        cuda._kernels.clear()
-        cuda._kernels.update(saved[2])
 
 
 def run_models(presets: Sequence[str], rows: Sequence[int]) -> None:

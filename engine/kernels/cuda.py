@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -87,3 +89,22 @@ def cached_kernel(
             shared_memory=shared_memory,
         )
     return kernel
+
+
+@contextmanager
+def kernels_replaced(make: Callable[..., Any]) -> Iterator[None]:
+    """For tools on a machine without a GPU (tools/nvrtc_check.py, bench/graph_nodes.py):
+    every fused path on, and each kernel MLX would build made by `make(**kw)` instead (kw:
+    `mx.fast.cuda_kernel`'s arguments); the cache of built kernels emptied before and
+    restored after."""
+    global available
+    saved = (mx.fast.cuda_kernel, available, dict(_kernels))
+    mx.fast.cuda_kernel = make
+    available = lambda: True  # noqa: E731
+    _kernels.clear()
+    try:
+        yield
+    finally:
+        mx.fast.cuda_kernel, available = saved[0], saved[1]
+        _kernels.clear()
+        _kernels.update(saved[2])
