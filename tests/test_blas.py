@@ -120,6 +120,11 @@ def test_the_numpy_shim_without_a_compiler_says_what_to_do(
     with pytest.raises(blas.BlasError, match="needs a C compiler"):
         blas.numpy_shim(tmp_path)
     assert not list(tmp_path.glob("*.so"))
+    monkeypatch.delenv("CC")
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # (a file where the cache's folder would be)
+    with pytest.raises(blas.BlasError, match="set XDG_CACHE_HOME to a directory"):
+        blas.numpy_shim(blocked / "cache")
 
 
 def test_a_missing_blas_library_stops_serve_with_what_to_do(

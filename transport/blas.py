@@ -87,8 +87,14 @@ def numpy_shim(cache: Path | None = None) -> Path:
             f"blas = {NUMPY} builds a small shim over numpy's OpenBLAS and needs a C "
             f"compiler ({cc!r} not found: install gcc, or set CC); or use {OPENBLAS} or {BUNDLED}"
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    except OSError as e:
+        raise BlasError(
+            f"cannot build the numpy OpenBLAS shim in {out.parent} ({e.strerror}): set "
+            "XDG_CACHE_HOME to a directory the daemon can write"
+        ) from None
     os.close(fd)
     cmd = [cc, "-O2", "-shared", "-fPIC", str(SHIM_SOURCE), "-o", tmp, f"-L{target.parent}"]
     cmd += [f"-l:{target.name}", f"-Wl,-rpath,{target.parent}"]
