@@ -203,7 +203,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=64, help="generated tokens per request")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of N requests")
     p.add_argument("--warmup-rounds", type=int, default=2, help="untimed rounds before them")
-    p.add_argument("--blas", default=harness.default_blas(), help="bundled | openblas | a path")
+    p.add_argument(
+        "--blas", default=harness.default_blas(), help="bundled | openblas | numpy | a path"
+    )
     p.add_argument("--dtype", default="auto", help="the daemon's dtype setting, for all three")
     p.add_argument("--compile", default="auto", help="the daemon's compile setting, for all three")
     p.add_argument(

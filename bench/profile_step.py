@@ -410,8 +410,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--blas",
         type=lambda s: s.split(","),
-        default=["bundled", "openblas"] if harness.OPENBLAS.exists() else ["bundled"],
-        help="bundled, openblas (default: both if OpenBLAS is installed)",
+        default=sorted({"bundled", harness.default_blas()}),
+        help="bundled, openblas, numpy (default: bundled and, where one can be had, "
+        "openblas or else numpy)",
     )
     p.add_argument("--threads", type=int, default=2, help="OpenBLAS threads")
     p.add_argument("--mlx-lm", action="store_true", help="also mlx-lm's step: time and ops")

@@ -203,7 +203,7 @@ def main() -> None:
         action="store_true",
         help="SchedulerConfig.decode_ahead (its requests are greedy)",
     )
-    p.add_argument("--blas", default="bundled", help="bundled | openblas | a CBLAS path")
+    p.add_argument("--blas", default="bundled", help="bundled | openblas | numpy | a CBLAS path")
     p.add_argument("--json", default=str(OUT_DIR / "scheduler_overhead.json"))
     args = p.parse_args()
     harness.run_on_blas(args.blas)
