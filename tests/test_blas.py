@@ -63,6 +63,7 @@ def daemon_maps(pid: int) -> str:
     [
         pytest.param(blas.OPENBLAS, marks=needs_openblas),
         pytest.param(blas.NUMPY, marks=needs_numpy_shim),
+        pytest.param(blas.AUTO, marks=needs_numpy_shim),  # (Debian's where installed)
     ],
 )
 def test_a_preloaded_blas_daemon_decodes_what_the_bundled_blas_daemon_decodes(
@@ -149,7 +150,7 @@ def test_blas_takes_bundled_openblas_or_a_library_path(
     model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert cli.main(["serve", "--model", str(model), "--blas", "mkl", "--check"]) == 2
-    assert "expected bundled, openblas, numpy or an absolute path" in capsys.readouterr().err
+    assert "expected bundled, openblas, numpy, auto or an absolute path" in capsys.readouterr().err
     assert cli.main(["serve", "--model", str(model), "--blas", "bundled", "--check"]) == 0
 
 
@@ -163,3 +164,19 @@ def test_a_library_that_cannot_be_preloaded_is_an_error_not_a_loop(
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2
     assert f"{fake} was preloaded but is not loaded" in res.stderr
+
+
+def test_auto_takes_the_first_blas_it_can_have_and_never_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(blas, "DEBIAN_OPENBLAS", tmp_path / "absent" / "libblas.so.3")
+    if _numpy_shim_buildable():
+        assert blas.library(blas.AUTO) == blas.numpy_shim()
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "other"))  # (no shim built there)
+    assert blas.library(blas.AUTO) is None  # bundled
+    debian = tmp_path / "libblas.so.3"
+    debian.write_bytes(b"")
+    monkeypatch.setattr(blas, "DEBIAN_OPENBLAS", debian)
+    assert blas.library(blas.AUTO) == debian

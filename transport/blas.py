@@ -30,6 +30,7 @@ from pathlib import Path
 BUNDLED = "bundled"
 OPENBLAS = "openblas"
 NUMPY = "numpy"
+AUTO = "auto"
 DEBIAN_OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3")
 """`openblas` means this file: Debian/Ubuntu's `libopenblas0-pthread` on x86-64."""
 REEXEC_MARK = "SLOTSERVE_BLAS_PRELOADED"
@@ -110,10 +111,18 @@ def numpy_shim(cache: Path | None = None) -> Path:
 
 
 def library(setting: str) -> Path | None:
-    """The shared library that `setting` ("bundled", "openblas", "numpy" or a path to a
-    CBLAS library) preloads; None for MLX's bundled BLAS. Raises `BlasError` if it is
-    missing (for "numpy": if numpy bundles no OpenBLAS, or the shim cannot be built)."""
+    """The shared library that `setting` ("bundled", "openblas", "numpy", "auto" or a path
+    to a CBLAS library) preloads; None for MLX's bundled BLAS. Raises `BlasError` if it is
+    missing (for "numpy": if numpy bundles no OpenBLAS, or the shim cannot be built).
+    "auto": the first of openblas and numpy that can be had, else bundled (never raises)."""
     if setting == BUNDLED:
+        return None
+    if setting == AUTO:
+        for choice in (OPENBLAS, NUMPY):
+            try:
+                return library(choice)
+            except BlasError:
+                continue
         return None
     if not on_linux():
         raise BlasError(f"a preloaded BLAS is for Linux; on {sys.platform} use {BUNDLED}")
@@ -127,7 +136,8 @@ def library(setting: str) -> Path | None:
         path, hint = Path(setting), f"give an existing CBLAS library, or use {BUNDLED}"
     else:
         raise BlasError(
-            f"expected {BUNDLED}, {OPENBLAS}, {NUMPY} or an absolute path to a CBLAS library"
+            f"expected {BUNDLED}, {OPENBLAS}, {NUMPY}, {AUTO} or an absolute path to a CBLAS "
+            "library"
         )
     if not path.is_file():
         raise BlasError(f"{path} does not exist: {hint}")

@@ -241,7 +241,8 @@ KEYS = (
         "blas",
         _blas,
         "BLAS under MLX on a Linux CPU: bundled, openblas (Debian's), numpy (the OpenBLAS "
-        "numpy bundles, through a shim built on first use) or a CBLAS .so path",
+        "numpy bundles, through a shim built on first use), auto (the first of those two "
+        "that can be had, else bundled) or a CBLAS .so path",
     ),
     Key(
         "weights",

@@ -108,10 +108,10 @@ def build_scheduler(config: DaemonConfig) -> tuple[s.Scheduler, ModelInfo]:
         dtype,
         "on" if on_a_gpu_if_auto(config.compile) else "off",
     )
-    if mx.default_device() == mx.cpu and config.blas == blas.BUNDLED and blas.on_linux():
+    if mx.default_device() == mx.cpu and blas.on_linux() and blas.library(config.blas) is None:
         log.info(
-            "blas = bundled: float products run on MLX's reference BLAS, one thread; "
-            "blas = numpy (or openblas) decodes 8 rows ~6x faster (docs/OPERATIONS.md)"
+            "float products run on MLX's bundled reference BLAS, one thread; blas = numpy "
+            "(a C compiler needed once) or openblas decodes 8 rows ~6x faster (docs/OPERATIONS.md)"
         )
     t0 = time.perf_counter()
     kv_dtype = kv_dtype_for(dtype)
