@@ -38,9 +38,6 @@ if str(ROOT) not in sys.path:  # `python bench/x.py` puts bench/, not the root, 
 
 from transport import blas as blas_setting  # noqa: E402  (the daemon's `blas` setting)
 
-# Debian's OpenBLAS (package libopenblas0-pthread); MLX's Linux wheel bundles reference BLAS.
-OPENBLAS = blas_setting.DEBIAN_OPENBLAS
-
 
 def bench_model(preset_name: str, quant: str, **overrides: Any) -> Path:
     """The GGUF of `preset_name` in `quant` (and other ModelSpec `overrides`), written once
@@ -101,15 +98,9 @@ def run_on_blas(blas: str) -> None:
 
 
 def default_blas() -> str:
-    """OpenBLAS where one can be had — Debian's if installed, else numpy's through the shim
-    (`blas = numpy`) if it can be built — else MLX's bundled BLAS."""
-    if OPENBLAS.is_file():
-        return blas_setting.OPENBLAS
-    try:
-        blas_setting.numpy_shim()
-    except blas_setting.BlasError:
-        return blas_setting.BUNDLED
-    return blas_setting.NUMPY
+    """An OpenBLAS where one can be had, else MLX's bundled BLAS (`blas.best`: what the
+    daemon's `blas = auto` takes)."""
+    return blas_setting.best()
 
 
 def sides_for(

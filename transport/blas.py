@@ -10,9 +10,10 @@ A preload only takes effect when the process starts, so `ensure_preloaded` re-ex
 the process (same pid, same arguments) with `LD_PRELOAD` set, once; afterwards it checks
 that the library is really mapped. Without the Debian package, `numpy` uses the OpenBLAS
 that numpy's Linux wheel already bundles, through a three-function CBLAS shim built on
-first use (`cblas_shim.c`; a C compiler needed then): on this project's 2-core VM an
-8-row float32 product ran ~10x faster than on the bundled BLAS (docs/PERFORMANCE.md). Only float32 matmuls go through BLAS (quantized
-matmuls are MLX's own code); GPU backends do not use it.
+first use (`cblas_shim.c`; a C compiler needed then): on this project's 2-core VM our
+batched decode ran 6x faster at 8 rows than on the bundled BLAS (docs/PERFORMANCE.md).
+Only float32 matmuls go through BLAS (quantized matmuls are MLX's own code); GPU backends do
+not use it. `auto` takes the first of these that the host can have (`best`).
 """
 
 from __future__ import annotations
@@ -110,6 +111,18 @@ def numpy_shim(cache: Path | None = None) -> Path:
     return out
 
 
+def best() -> str:
+    """The setting `auto` stands for on this host: the first of openblas and numpy that can
+    be had (its library there, or its shim buildable), else bundled."""
+    for choice in (OPENBLAS, NUMPY):
+        try:
+            library(choice)
+        except BlasError:
+            continue
+        return choice
+    return BUNDLED
+
+
 def library(setting: str) -> Path | None:
     """The shared library that `setting` ("bundled", "openblas", "numpy", "auto" or a path
     to a CBLAS library) preloads; None for MLX's bundled BLAS. Raises `BlasError` if it is
@@ -118,12 +131,7 @@ def library(setting: str) -> Path | None:
     if setting == BUNDLED:
         return None
     if setting == AUTO:
-        for choice in (OPENBLAS, NUMPY):
-            try:
-                return library(choice)
-            except BlasError:
-                continue
-        return None
+        return library(best())
     if not on_linux():
         raise BlasError(f"a preloaded BLAS is for Linux; on {sys.platform} use {BUNDLED}")
     if setting == NUMPY:

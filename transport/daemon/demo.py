@@ -184,13 +184,8 @@ def fast_cpu_settings() -> list[str]:
     faster than the stored q8_0 on MLX's bundled BLAS and a second token in a row 6% more
     instead of 85% (`bench/row_cost.py`, docs/PERFORMANCE.md); on a GPU neither matters."""
     args = ["--weights", "dense"]
-    for setting in (blas.OPENBLAS, blas.NUMPY):
-        try:
-            blas.library(setting)
-        except blas.BlasError:
-            continue
-        return [*args, "--blas", setting]
-    return args
+    choice = blas.best()  # (named, not "auto": the printed arguments say which)
+    return args if choice == blas.BUNDLED else [*args, "--blas", choice]
 
 
 def print_samples(endpoint: str, prompts: Sequence[str], max_tokens: int) -> None:
