@@ -813,7 +813,7 @@ class ModelRunner:
         inputs = [
             mx.concatenate([r.logits for r in fed]),
             mx.concatenate([r.hidden for r in fed]),
-            from_host(uniforms.ravel().tolist(), mx.float32).reshape(uniforms.shape),
+            from_host(uniforms.ravel(), mx.float32).reshape(uniforms.shape),
             *layout.arrays(),
             *shaping.arrays,
         ]

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from engine.kernels.cuda import cached_kernel, env_flag, switched_on
 
@@ -97,7 +98,7 @@ def pieces_on() -> bool:
 
 
 def from_host(
-    values: list[Any] | tuple[Any, ...], dtype: mx.Dtype, pieces: bool | None = None
+    values: list[Any] | tuple[Any, ...] | np.ndarray, dtype: mx.Dtype, pieces: bool | None = None
 ) -> mx.array:
     """`mx.array(values, dtype)` for a step's small 1-D input, made so that the GPU need not
     wait for it (`pieces`, default `pieces_on()`): MLX's CUDA backend keeps a host-made
@@ -107,13 +108,16 @@ def from_host(
     arrays of up to 8 bytes come from the allocator's small-block pool, whose pages the GPU
     reads where they lie. So: 4-byte values of 3 to `PIECES_MAX` as arrays of 2, their count
     rounded up to a power of two (a stack kernel per count: a few, not one per length), then
-    ONE stack launch on the device, a view of the first `len(values)`."""
+    ONE stack launch on the device, a view of the first `len(values)`. (On every step's
+    inputs: the sizes are checked before the switch is read.)"""
     n = len(values)
-    use = pieces_on() if pieces is None else pieces
-    if not (use and 2 < n <= PIECES_MAX and dtype.size == 4):
+    if not (
+        2 < n <= PIECES_MAX and dtype.size == 4 and (pieces_on() if pieces is None else pieces)
+    ):
         return mx.array(values, dtype=dtype)
     count = 1 << (-(-n // 2) - 1).bit_length()
-    flat = [*values, *[0] * (2 * count - n)]
+    listed = values.tolist() if isinstance(values, np.ndarray) else list(values)
+    flat = [*listed, *[0] * (2 * count - n)]
     parts = [mx.array(flat[i : i + 2], dtype=dtype) for i in range(0, 2 * count, 2)]
     return stack(parts).reshape(-1)[:n]
 
