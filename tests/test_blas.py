@@ -88,9 +88,9 @@ def test_a_preloaded_blas_daemon_decodes_what_the_bundled_blas_daemon_decodes(
 
 @needs_numpy_shim
 def test_the_numpy_shim_is_built_once_and_runs_mlx_products(tmp_path: Path) -> None:
-    """Built into the cache on first use, the same file afterwards; preloaded, MLX's float32
-    products (8 rows, as a batched step's) are numpy's to float32 rounding, and the
-    process maps numpy's OpenBLAS."""
+    """Built into the cache on first use, the same file afterwards; preloaded, the process's
+    `cblas_sgemm` — the symbol MLX's products call — is the shim's, and MLX's float32
+    products (8 rows, as a batched step's) are numpy's to float32 rounding."""
     shim = blas.numpy_shim(tmp_path)
     built = shim.stat().st_mtime_ns
     assert blas.numpy_shim(tmp_path) == shim and shim.stat().st_mtime_ns == built
@@ -101,6 +101,9 @@ def test_the_numpy_shim_is_built_once_and_runs_mlx_products(tmp_path: Path) -> N
         "w = np.random.default_rng(1).standard_normal((384, 512)).astype(np.float32)\n"
         "got = np.array(mx.array(a) @ mx.array(w).T)\n"
         "assert np.allclose(got, a @ w.T, rtol=1e-4, atol=1e-3), abs(got - a @ w.T).max()\n"
+        "import ctypes\n"
+        "at = lambda lib: ctypes.cast(lib.cblas_sgemm, ctypes.c_void_p).value\n"
+        f"assert at(ctypes.CDLL(None)) == at(ctypes.CDLL({str(shim)!r}))\n"
         "print(open('/proc/self/maps').read())\n"
     )
     env = blas.preload_env(shim, os.environ, threads=2)

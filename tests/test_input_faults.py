@@ -16,4 +16,7 @@ def test_every_way_of_making_ids_is_timed() -> None:
     for how in MODES:
         for key in (how, f"{how}_behind"):
             stats = out[key]
-            assert isinstance(stats, dict) and stats["max_us"] >= stats["p50_us"]
+            assert isinstance(stats, dict) and set(stats) == {"p50_us", "p90_us", "max_us"}
+        # alone, each evaluation takes time (behind a product the product's median is
+        # subtracted, so those may read below zero)
+        assert 0 < out[how]["p50_us"] < float("inf")
