@@ -932,9 +932,13 @@ def step_inputs_on_device() -> bool:
     waiting for pages of managed memory the host writes as it builds the next step
     (docs/PERFORMANCE.md, session 20; the cure is yet to be timed there). Session 12's
     tokens/s had "device" level with or ahead of "host" (+3.0% at 8 rows, +0.5% at 64)."""
-    mode = os.environ.get(STEP_INPUTS_ENV, "device")
+    return parse_step_inputs(os.environ.get(STEP_INPUTS_ENV, STEP_INPUTS[0]))
+
+
+def parse_step_inputs(mode: str) -> bool:
+    """SLOTSERVE_STEP_INPUTS's value as `step_inputs_on_device` returns it."""
     if mode not in STEP_INPUTS:
-        raise ValueError(f"{STEP_INPUTS_ENV}={mode!r}: host or device")
+        raise ValueError(f"{STEP_INPUTS_ENV}={mode!r}: device or host")
     return mode == "device"
 
 

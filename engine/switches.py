@@ -35,7 +35,7 @@ CHECKS: dict[str, Callable[[str], object]] = {
     stack_cuda.GROUPS_ENV: _one_of(stack_cuda.GROUPS_ENV, cuda.ON_OFF),
     stack_cuda.PIECES_ENV: _one_of(stack_cuda.PIECES_ENV, cuda.ON_OFF),
     runner.SSM_WRITE_ENV: runner.parse_ssm_write,
-    runner.STEP_INPUTS_ENV: _one_of(runner.STEP_INPUTS_ENV, runner.STEP_INPUTS),
+    runner.STEP_INPUTS_ENV: runner.parse_step_inputs,
 }
 
 

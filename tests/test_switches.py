@@ -61,6 +61,8 @@ def test_the_readers_take_every_value_the_check_passes(
 def test_the_special_readers_are_the_checks() -> None:
     """Switches with their own rules are checked by the functions that read them."""
     assert switches.CHECKS[runner.SSM_WRITE_ENV] is runner.parse_ssm_write
+    assert switches.CHECKS[runner.STEP_INPUTS_ENV] is runner.parse_step_inputs
+    assert runner.parse_step_inputs("device") and not runner.parse_step_inputs("host")
     assert switches.CHECKS[gdn_mixer_cuda.WARPS_ENV] is gdn_mixer_cuda.fixed_warps
     assert switches.CHECKS[gemv_cuda.PROLOGUE_QUANTIZED_ENV] is gemv_cuda.prologue_quantized
     assert runner.parse_ssm_write("layers") == 1 and runner.parse_ssm_write("stacked") is None
