@@ -7,10 +7,11 @@ others; this measures the gather alone, its indices made five ways:
 * `host`: a fresh `mx.array` from a Python list before every evaluation (as a step's inputs);
 * `device`: made on the device from the previous evaluation's, `(prev + 1) % vocab`;
 * `kept`: one array made once and reused;
-* `pieces`: fresh from the host as in `host`, but as arrays of 2 ids (8 bytes: MLX's
-  small-block pool, whose pages the GPU reads where they lie — one id's gather never
-  waited, session 20) joined on the device by one stack launch (`stack_cuda.from_host`,
-  as SLOTSERVE_HOST_PIECES=1 makes a step's inputs; it takes 3 to 64 ids);
+* `params`: fresh from the host as in `host`, but handed to a kernel as its launch
+  parameters and written by it to device memory (`host_inputs.from_host`, as
+  SLOTSERVE_HOST_PARAMS=1 makes a step's inputs; up to 256 ids). (Session 21 timed the
+  form before it: 8-byte arrays from MLX's small-block pool joined by a stack kernel; the
+  stack waited 116 us as the gather had.)
 * `kept_busy`: `kept`, while the host writes a fresh array of the same size and reads back
   a small device-made one before each evaluation, as a decode-ahead loop's host does beside
   the kernels reading its kept arrays (session 20: its K/V store waited 465 us) — whether
@@ -35,9 +36,9 @@ import harness  # noqa: F401  (puts the repository root on sys.path)
 import mlx.core as mx
 import numpy as np
 
-from engine.kernels import stack_cuda
+from engine.kernels import host_inputs
 
-MODES = ("host", "device", "kept", "pieces", "kept_busy")
+MODES = ("host", "device", "kept", "params", "kept_busy")
 
 
 def stats(xs: list[float]) -> dict[str, float]:
@@ -73,9 +74,9 @@ def measure(rows: int, evals: int, vocab: int, hidden: int, side: int) -> dict[s
                     ids = mx.array(rng.integers(0, vocab, rows).tolist(), dtype=mx.int32)
                 elif how == "device":
                     ids = (ids + 1) % vocab
-                elif how == "pieces":
-                    ids = stack_cuda.from_host(
-                        rng.integers(0, vocab, rows).tolist(), mx.int32, True
+                elif how == "params":
+                    ids = host_inputs.from_host(
+                        rng.integers(0, vocab, rows).tolist(), mx.int32, mx.cuda.is_available()
                     )
                 elif how == "kept_busy":
                     fresh = mx.array(rng.integers(0, vocab, rows).tolist(), dtype=mx.int32)

@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cache import SlotId, SlotPool
-from engine.kernels.stack_cuda import from_host
+from engine.kernels.host_inputs import from_host
 from engine.models.batch import AttentionState, Layout, LinearCapture
 from engine.models.qwen35 import Model, MTPHead
 from engine.sampling import SamplingParams, Shaping, draw

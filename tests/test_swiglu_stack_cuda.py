@@ -110,24 +110,3 @@ def test_stack_groups_through_a_model(
     monkeypatch.setenv("SLOTSERVE_FUSED_STACK", "1")
     monkeypatch.setenv(stack_cuda.GROUPS_ENV, "1")
     assert_as_close_as(two_steps(path), portable, on_cpu(path))
-
-
-def test_inputs_from_pieces_on_the_gpu(
-    make_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """SLOTSERVE_HOST_PIECES=1: a step's small inputs made from 8-byte arrays by the stack
-    kernel are the values (every piece count up to 32), and a model through them is where
-    host-made inputs leave it, bit for bit."""
-    monkeypatch.setenv(stack_cuda.PIECES_ENV, "1")
-    assert stack_cuda.pieces_on()
-    for n in (3, 4, 5, 8, 17, 40, 64):
-        values = [7 * i - 50 for i in range(n)]
-        assert stack_cuda.from_host(values, mx.int32).tolist() == values
-    floats = [0.1 * i for i in range(13)]
-    got = stack_cuda.from_host(floats, mx.float32)
-    assert bool(mx.array_equal(got, mx.array(floats, dtype=mx.float32)))
-    path = make_model("tiny", quant="f32")
-    pieces = two_steps(path)
-    monkeypatch.setenv(stack_cuda.PIECES_ENV, "0")
-    for a, b in zip(pieces, two_steps(path), strict=True):
-        assert np.array_equal(np.array(a), np.array(b))

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from engine.kernels.cuda import cached_kernel, env_flag, switched_on
 
@@ -85,41 +84,6 @@ def stack(arrays: list[mx.array]) -> mx.array:
         output_dtypes=[first.dtype],
     )
     return out
-
-
-PIECES_ENV = "SLOTSERVE_HOST_PIECES"
-PIECES_MAX = 64  # values; more (a prefill's tokens) come as one array: host time per piece
-
-
-def pieces_on() -> bool:
-    """Whether `from_host` makes arrays from pieces (SLOTSERVE_HOST_PIECES: "0", the default
-    until the H200 has timed it — `bench/input_faults.py`'s `pieces` — or "1")."""
-    return env_flag(PIECES_ENV) and enabled()
-
-
-def from_host(
-    values: list[Any] | tuple[Any, ...] | np.ndarray, dtype: mx.Dtype, pieces: bool | None = None
-) -> mx.array:
-    """`mx.array(values, dtype)` for a step's small 1-D input, made so that the GPU need not
-    wait for it (`pieces`, default `pieces_on()`): MLX's CUDA backend keeps a host-made
-    array in managed memory, and a kernel reading a page the host has just written waits for
-    it to move — an 8-row embedding gather of host-written ids took 115-181 us on the H200
-    where one row's took 3 (docs/PERFORMANCE.md, session 20). One row's id is 4 bytes, and
-    arrays of up to 8 bytes come from the allocator's small-block pool, whose pages the GPU
-    reads where they lie. So: 4-byte values of 3 to `PIECES_MAX` as arrays of 2, their count
-    rounded up to a power of two (a stack kernel per count: a few, not one per length), then
-    ONE stack launch on the device, a view of the first `len(values)`. (On every step's
-    inputs: the sizes are checked before the switch is read.)"""
-    n = len(values)
-    if not (
-        2 < n <= PIECES_MAX and dtype.size == 4 and (pieces_on() if pieces is None else pieces)
-    ):
-        return mx.array(values, dtype=dtype)
-    count = 1 << (-(-n // 2) - 1).bit_length()
-    listed = values.tolist() if isinstance(values, np.ndarray) else list(values)
-    flat = [*listed, *[0] * (2 * count - n)]
-    parts = [mx.array(flat[i : i + 2], dtype=dtype) for i in range(0, 2 * count, 2)]
-    return stack(parts).reshape(-1)[:n]
 
 
 GROUPS_ENV = "SLOTSERVE_STACK_GROUPS"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.kernels.stack_cuda import from_host
+from engine.kernels.host_inputs import from_host
 
 
 @dataclass(frozen=True)
