@@ -2,16 +2,11 @@
 positions, layout arrays) are host-made arrays; on MLX's CUDA backend every array is managed
 memory, so a kernel that reads a page the host just wrote may first wait for it to move to the
 GPU. Session 11's timelines showed an 8-row gather taking 2 us in some steps and 97-161 us in
-others; this measures the gather alone, its indices made five ways:
+others; this measures the gather alone, its indices made four ways:
 
 * `host`: a fresh `mx.array` from a Python list before every evaluation (as a step's inputs);
 * `device`: made on the device from the previous evaluation's, `(prev + 1) % vocab`;
 * `kept`: one array made once and reused;
-* `params`: fresh from the host as in `host`, but handed to a kernel as its launch
-  parameters and written by it to device memory (`host_inputs.from_host`, as
-  SLOTSERVE_HOST_PARAMS=1 makes a step's inputs; up to 256 ids). (Session 21 timed the
-  form before it: 8-byte arrays from MLX's small-block pool joined by a stack kernel; the
-  stack waited 116 us as the gather had.)
 * `kept_busy`: `kept`, while the host writes a fresh array of the same size and reads back
   a small device-made one before each evaluation, as a decode-ahead loop's host does beside
   the kernels reading its kept arrays (session 20: its K/V store waited 465 us) — whether
@@ -22,6 +17,9 @@ For each, the wall time of `mx.eval` of the gather (an embedding lookup: `rows` 
 behind a queued ~1 ms product (`behind`: the gather's time beyond the product's alone; `--product` sets its side), which
 is where a step's input arrives in a decode loop. A `host` median well above `kept` and
 `device` says the wait is real, and that a step's inputs should be made on the device.
+(Session 21's timelines found the wait is not the input's: a kernel that read only its
+launch parameters, first in the step, waited 70 us where the gather of host-written ids
+had waited 111-144 — docs/PERFORMANCE.md, "Session 21".)
 
     python bench/input_faults.py [--rows 1,8,64] [--evals 200] [--json OUT]
 """
@@ -36,9 +34,7 @@ import harness  # noqa: F401  (puts the repository root on sys.path)
 import mlx.core as mx
 import numpy as np
 
-from engine.kernels import host_inputs
-
-MODES = ("host", "device", "kept", "params", "kept_busy")
+MODES = ("host", "device", "kept", "kept_busy")
 
 
 def stats(xs: list[float]) -> dict[str, float]:
@@ -74,10 +70,6 @@ def measure(rows: int, evals: int, vocab: int, hidden: int, side: int) -> dict[s
                     ids = mx.array(rng.integers(0, vocab, rows).tolist(), dtype=mx.int32)
                 elif how == "device":
                     ids = (ids + 1) % vocab
-                elif how == "params":
-                    ids = host_inputs.from_host(
-                        rng.integers(0, vocab, rows).tolist(), mx.int32, mx.cuda.is_available()
-                    )
                 elif how == "kept_busy":
                     fresh = mx.array(rng.integers(0, vocab, rows).tolist(), dtype=mx.int32)
                     echo = fresh + 1

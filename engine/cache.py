@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.gguf import ModelConfig
-from engine.kernels import host_inputs, stack_cuda
+from engine.kernels import stack_cuda
 from engine.models.batch import AttentionState, Layout, LinearCapture, LinearState
 
 SlotId = NewType("SlotId", int)
@@ -353,7 +353,7 @@ class SlotPool:
         for slot, start, n in zip(slots, starts, lengths, strict=True):
             tok_slot.extend([slot] * n)
             tok_pos.extend(range(start, start + n))
-        return host_inputs.from_host(tok_slot, mx.int32), host_inputs.from_host(tok_pos, mx.int32)
+        return mx.array(tok_slot, dtype=mx.int32), mx.array(tok_pos, dtype=mx.int32)
 
     def read_mtp(
         self,
@@ -446,9 +446,9 @@ class SlotPool:
         window_index = [r * W + keep + j for r, keep in rows for j in range(Kc - 1)]
         state_index = [r * S + keep for r, keep in rows]
         windows = [c.windows for c in captures]
-        conv = stack_cuda.take(windows, host_inputs.from_host(window_index, mx.int32))
+        conv = stack_cuda.take(windows, mx.array(window_index, dtype=mx.int32))
         states = [c.states for c in captures]
-        ssm = stack_cuda.take(states, host_inputs.from_host(state_index, mx.int32))
+        ssm = stack_cuda.take(states, mx.array(state_index, dtype=mx.int32))
         return conv.reshape(len(captures), len(rows), Kc - 1, Cc), ssm
 
     def truncate_mtp(self, slot: SlotId, length: int) -> None:

@@ -23,7 +23,6 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cache import SlotId, SlotPool
-from engine.kernels.host_inputs import from_host
 from engine.models.batch import AttentionState, Layout, LinearCapture
 from engine.models.qwen35 import Model, MTPHead
 from engine.sampling import SamplingParams, Shaping, draw
@@ -256,7 +255,7 @@ class ModelRunner:
             tok_pos = layout.row_starts[: len(slots)] if pads else layout.row_starts
         else:
             tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, lengths)
-        inputs = [from_host(tokens, mx.int32), self.inputs.kept(picked)]
+        inputs = [mx.array(tokens, dtype=mx.int32), self.inputs.kept(picked)]
         # every position, in order (decode, verify): the forward takes them without a gather
         every = len(picked) == len(tokens) and picked == list(range(len(tokens)))
         _, fn = self._forward_fn(layout, len(picked), past, taps, every)
@@ -490,7 +489,7 @@ class ModelRunner:
             # the launch's arrays: nothing written by the host for the pool's scatter
             tok_slot, tok_pos = self.inputs.kept(slots), pending.positions
         else:  # rows are tokens: one index serves
-            at = from_host(list(keep), mx.int32)
+            at = mx.array(list(keep), dtype=mx.int32)
             new = [a[:, at] for a in new]
             logits = logits[at]
             hidden = None if hidden is None else hidden[at]
@@ -813,7 +812,7 @@ class ModelRunner:
         inputs = [
             mx.concatenate([r.logits for r in fed]),
             mx.concatenate([r.hidden for r in fed]),
-            from_host(uniforms.ravel(), mx.float32).reshape(uniforms.shape),
+            mx.array(uniforms),
             *layout.arrays(),
             *shaping.arrays,
         ]
@@ -824,7 +823,7 @@ class ModelRunner:
             k = mx.concatenate(ks[: deepest - 1], axis=1)
             v = mx.concatenate(vs[: deepest - 1], axis=1)
             if len(deep) < len(rows):  # (an integer index is a gather: only when needed)
-                at = from_host(deep, mx.int32)
+                at = mx.array(deep, dtype=mx.int32)
                 k, v = k[at], v[at]
             elif pads:  # every real row: the first, a slice
                 k, v = k[: len(rows)], v[: len(rows)]
@@ -975,7 +974,7 @@ class StepInputs:
         if after is not None and after[0] == tuple(slots) and after[1] == tuple(starts):
             self.derived += 1
             return after[2]
-        return from_host(starts, mx.int32)
+        return mx.array(starts, dtype=mx.int32)
 
     def ran(self, slots: Sequence[int], starts: Sequence[int], after: mx.array) -> None:
         """A step of one token a row on `slots` at `starts` was built; `after` (lazy) holds
@@ -986,11 +985,11 @@ class StepInputs:
     def kept(self, values: list[int] | list[SlotId]) -> mx.array:
         """An int32 array of `values`, made once while recent (with `device` on)."""
         if not self.device:
-            return from_host(values, mx.int32)
+            return mx.array(values, dtype=mx.int32)
         key = tuple(values)
         arr = self._kept.get(key)
         if arr is None:
-            arr = self._kept[key] = from_host(key, mx.int32)
+            arr = self._kept[key] = mx.array(key, dtype=mx.int32)
             if len(self._kept) > self.KEPT:
                 self._kept.popitem(last=False)
         else:
@@ -1048,7 +1047,7 @@ def _written(past: AttentionState, new: AttentionState, at: mx.array) -> Attenti
 
 def _token_array(batch: Sequence[Row] | Sequence[DraftRow]) -> mx.array:
     """The batch's tokens packed row after row (any integer type, numpy's included)."""
-    return from_host([int(t) for r in batch for t in r.tokens], mx.int32)
+    return mx.array([int(t) for r in batch for t in r.tokens], dtype=mx.int32)
 
 
 def _real_rows(

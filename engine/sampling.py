@@ -26,8 +26,6 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import numpy as np
 
-from engine.kernels.host_inputs import from_host
-
 
 class SamplingError(ValueError):
     """Sampling parameters out of range; the message names the parameter."""
@@ -235,9 +233,7 @@ class Shaping:
 def draw(probs: mx.array, uniforms: np.ndarray | mx.array) -> mx.array:
     """One token per row by inverse CDF: the first token whose cumulative mass exceeds u."""
     cdf = mx.cumsum(probs, axis=-1)
-    if isinstance(uniforms, np.ndarray):
-        uniforms = from_host(uniforms.astype(np.float32), mx.float32)
-    u = uniforms
+    u = mx.array(uniforms.astype(np.float32)) if isinstance(uniforms, np.ndarray) else uniforms
     idx = (cdf <= u[:, None] * cdf[:, -1:]).sum(axis=-1)
     return mx.minimum(idx, probs.shape[-1] - 1).astype(mx.int32)
 

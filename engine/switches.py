@@ -12,14 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 
 from engine import runner
-from engine.kernels import (
-    attention_cuda,
-    cuda,
-    gdn_mixer_cuda,
-    gemv_cuda,
-    host_inputs,
-    stack_cuda,
-)
+from engine.kernels import attention_cuda, cuda, gdn_mixer_cuda, gemv_cuda, stack_cuda
 
 PREFIX = "SLOTSERVE_"
 
@@ -40,7 +33,6 @@ CHECKS: dict[str, Callable[[str], object]] = {
     gdn_mixer_cuda.WARPS_ENV: gdn_mixer_cuda.fixed_warps,
     attention_cuda.DECODE_ENV: _one_of(attention_cuda.DECODE_ENV, cuda.ON_OFF),
     stack_cuda.GROUPS_ENV: _one_of(stack_cuda.GROUPS_ENV, cuda.ON_OFF),
-    host_inputs.PARAMS_ENV: _one_of(host_inputs.PARAMS_ENV, cuda.ON_OFF),
     runner.SSM_WRITE_ENV: runner.parse_ssm_write,
     runner.STEP_INPUTS_ENV: runner.parse_step_inputs,
 }

@@ -1,5 +1,5 @@
 """bench/input_faults.py: a run on tiny sizes times every way of making its ids (the GPU's
-figures are docs/PERFORMANCE.md's; `from_host`'s values, tests/test_step_inputs.py)."""
+figures are docs/PERFORMANCE.md's)."""
 
 from __future__ import annotations
 

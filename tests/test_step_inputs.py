@@ -1,23 +1,18 @@
 """SLOTSERVE_STEP_INPUTS=device: a decode step takes its rows' starts from the step before,
-made on the device, and kept slot / output-index arrays (`engine.runner.StepInputs`); and
-SLOTSERVE_HOST_PARAMS=1: a step's small host-made inputs come as a kernel's launch
-parameters (`host_inputs.from_host`; on this CPU its PTX is carried out by `run_ptx`, the
-GPU test runs it). Only where the arrays are made may change: every output and every byte
-of the pool must be what host-made arrays give."""
+made on the device, and kept slot / output-index arrays (`engine.runner.StepInputs`). Only
+where the arrays are made may change: every output and every byte of the pool must be what
+host-made arrays give."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from engine.cache import SlotPool
-from engine.kernels import host_inputs
 from engine.models.qwen35 import Model, load_model
 from engine.runner import ModelRunner, Row, StepInputs
 
@@ -126,80 +121,3 @@ def test_a_bad_step_inputs_mode_is_refused(model: Model, monkeypatch: pytest.Mon
     monkeypatch.setenv("SLOTSERVE_STEP_INPUTS", "gpu")
     with pytest.raises(ValueError, match="SLOTSERVE_STEP_INPUTS"):
         ModelRunner(model, SlotPool(model.config, 2, 16, mx.float32))
-
-
-def run_ptx(
-    *,
-    name: str,
-    compiled_source: bytes,
-    inputs: list[mx.array],
-    output_shapes: list[tuple[int, ...]],
-    output_dtypes: list[mx.Dtype],
-    scalars: list[Any],
-    **_: Any,
-) -> list[mx.array]:
-    """`mx.fast.precompiled_cuda_kernel` for `host_inputs`' PTX on the host: its entry must
-    be the launch's name with a parameter for the output and each scalar, and each store
-    puts the parameter it loaded at its byte offset (nvJitLink assembles the same text in
-    tests/test_nvrtc_check.py; the GPU runs it in tests/test_host_inputs_cuda.py)."""
-    text = compiled_source.decode()
-    entry = re.search(r"\.entry (\w+)\(([^)]*)\)", text)
-    assert entry is not None and entry[1] == name and not inputs
-    assert entry[2].count(".param") == 1 + len(scalars)
-    (shape,), (dtype,) = output_shapes, output_dtypes
-    out = np.full(shape, -1, dtype=np.float32 if dtype == mx.float32 else np.int32)
-    pairs = re.findall(r"ld\.param\.b32 %v, \[v(\d+)\];\s+st\.global\.b32 \[%rd1\+(\d+)\]", text)
-    assert len(pairs) == len(scalars) == out.size
-    for index, offset in pairs:
-        out[int(offset) // 4] = scalars[int(index)]
-    return [mx.array(out)]
-
-
-@pytest.mark.parametrize("compiled", [False, True])
-def test_inputs_made_from_launch_parameters_change_no_output_and_no_state(
-    model: Model, compiled: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    plain_logits, plain_state, _ = run_mixed_workload(model, compiled, True)
-    launches: list[int] = []
-
-    def counted(**kw: Any) -> list[mx.array]:
-        launches.append(len(kw["scalars"]))
-        return run_ptx(**kw)
-
-    monkeypatch.setattr(host_inputs, "params_on", lambda: True)
-    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", counted)
-    logits, state, _ = run_mixed_workload(model, compiled, True)
-    assert_same_run(plain_logits, plain_state, logits, state)
-    assert launches and set(launches) <= {4, 8, 16, 32, 64, 128, 256}
-
-
-def test_from_host_is_the_values_whichever_way_it_makes_them(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(mx.fast, "precompiled_cuda_kernel", run_ptx)
-    for params in (False, True):
-        for n in (0, 1, 2, 3, 4, 5, 9, 64, 65, 255, 256, 257, 600):
-            values = [7 * i - 300 for i in range(n)]
-            made = host_inputs.from_host(values, mx.int32, params)
-            assert made.dtype == mx.int32 and made.tolist() == values
-            made = host_inputs.from_host(np.array(values, dtype=np.int32), mx.int32, params)
-            assert made.tolist() == values
-        floats = [0.5, -0.25, 0.1, 3.0, 1e-3, float("inf")]
-        made = host_inputs.from_host(floats, mx.float32, params)
-        assert made.dtype == mx.float32 and made.tolist() == [np.float32(f) for f in floats]
-        uniforms = np.random.default_rng(1).random(40, dtype=np.float32)
-        made = host_inputs.from_host(uniforms, mx.float32, params)
-        assert np.array_equal(np.array(made), uniforms)  # each float32 exactly
-
-
-def test_a_kernel_is_made_once_per_count_of_values() -> None:
-    """Counts rounded up to powers of two from 4 (an output of 8 bytes or fewer would come
-    from the allocator's managed small-block pool): 7 kernels serve 1 to 256 values, each
-    named for its code."""
-    names = set()
-    for n in range(1, host_inputs.MAX_VALUES + 1):
-        count = max(host_inputs.MIN_VALUES, 1 << (n - 1).bit_length())
-        name, ptx = host_inputs._source(count)
-        assert name.startswith(f"slotserve_host_values_{count}_") and name in ptx.decode()
-        names.add(name)
-    assert len(names) == 7

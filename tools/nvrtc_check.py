@@ -9,10 +9,8 @@ outputs, the template arguments as `constexpr` / `using`) and compiles it for sm
 NVRTC, returning zeros of the output shapes so the forward goes on. It checks that the code
 compiles, not what it computes: the GPU tests do that.
 
-The few kernels made as PTX (`engine.kernels.host_inputs`) are assembled by ptxas through
-nvJitLink instead. NVRTC, nvJitLink and CUDA's headers come from NVIDIA's pip wheels (no GPU
-or driver needed), which the dev extras install on x86-64 Linux; `make test` runs this
-(tests/test_nvrtc_check.py):
+NVRTC and CUDA's headers come from NVIDIA's pip wheels (no GPU or driver needed), which the
+dev extras install on x86-64 Linux; `make test` runs this (tests/test_nvrtc_check.py):
 
     python tools/nvrtc_check.py [--cuda path/to/nvidia]
 """
@@ -23,7 +21,6 @@ import argparse
 import ctypes
 import dataclasses
 import importlib.util
-import re
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -60,32 +57,11 @@ namespace mlx::core::cu {
 
 
 class Nvrtc:
-    """The few NVRTC calls a compile needs, through ctypes; and nvJitLink's, which assemble
-    our PTX (`engine.kernels.host_inputs`) with ptxas."""
+    """The few NVRTC calls a compile needs, through ctypes."""
 
     def __init__(self, cuda: Path) -> None:
         self.lib = ctypes.CDLL(str(cuda / "cuda_nvrtc" / "lib" / "libnvrtc.so.12"))
         self.include = cuda / "cuda_runtime" / "include"
-        self.jit = ctypes.CDLL(str(cuda / "nvjitlink" / "lib" / "libnvJitLink.so.12"))
-
-    def assemble(self, name: str, ptx: bytes) -> str | None:
-        """None if `ptx` assembles for sm_90, else nvJitLink's log."""
-        handle = ctypes.c_void_p()
-        options = (ctypes.c_char_p * 1)(b"-arch=sm_90")
-        self._ok(self.jit.nvJitLinkCreate(ctypes.byref(handle), 1, options))
-        ptx_input = 2  # NVJITLINK_INPUT_PTX
-        status = self.jit.nvJitLinkAddData(handle, ptx_input, ptx, len(ptx), name.encode())
-        if status == 0:
-            status = self.jit.nvJitLinkComplete(handle)
-        log = None
-        if status != 0:
-            size = ctypes.c_size_t()
-            self.jit.nvJitLinkGetErrorLogSize(handle, ctypes.byref(size))
-            buf = ctypes.create_string_buffer(size.value + 1)
-            self.jit.nvJitLinkGetErrorLog(handle, buf)
-            log = buf.value.decode(errors="replace") or f"nvJitLink status {status}"
-        self.jit.nvJitLinkDestroy(ctypes.byref(handle))
-        return log
 
     def compile(self, name: str, source: str) -> str | None:
         """None if `source` compiles for sm_90, else NVRTC's log."""
@@ -193,42 +169,12 @@ class Checked:
         ]
 
 
-def assembled(
-    nvrtc: Nvrtc,
-    *,
-    name: str,
-    compiled_source: bytes,
-    inputs: Sequence[mx.array],
-    output_shapes: Sequence[Sequence[int]],
-    output_dtypes: Sequence[mx.Dtype],
-    scalars: Sequence[object],
-    **_: Any,
-) -> list[mx.array]:
-    """Stands in for `mx.fast.precompiled_cuda_kernel`: assembles each new PTX and checks
-    that its entry is the launch's name with a parameter for each of the launch's pointers
-    and scalars (MLX passes inputs, outputs, then scalars); returns zeros."""
-    text = compiled_source.decode()
-    if text not in Checked.seen:
-        log = nvrtc.assemble(name, compiled_source)
-        entry = re.search(r"\.entry\s+(\w+)\(([^)]*)\)", text)
-        wanted = len(inputs) + len(output_shapes) + len(scalars)
-        if log is None and (entry is None or entry[1] != name):
-            log = f"{name}: the PTX's entry is {entry[1] if entry else None}"
-        elif log is None and entry is not None and entry[2].count(".param") != wanted:
-            log = f"{name}: {entry[2].count('.param')} parameters, the launch passes {wanted}"
-        Checked.seen[text] = log
-        print(f"{'ok' if log is None else 'FAILED':6s} {name} <ptx>", flush=True)
-    return [mx.zeros(tuple(s), dtype=d) for s, d in zip(output_shapes, output_dtypes, strict=True)]
-
-
 @contextmanager
 def kernels_checked(nvrtc: Nvrtc) -> Iterator[None]:
-    """Every fused path on, each kernel launch compiled (or assembled) instead of run."""
+    """Every fused path on, each kernel launch compiled instead of run."""
     from engine.kernels import cuda
 
-    with cuda.kernels_replaced(
-        lambda **kw: Checked(nvrtc, kw), lambda **kw: assembled(nvrtc, **kw)
-    ):
+    with cuda.kernels_replaced(lambda **kw: Checked(nvrtc, kw)):
         yield
 
 
@@ -282,10 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,2,8")
     args = p.parse_args(argv)
     if args.cuda is None:
-        p.error(
-            "no NVRTC: install nvidia-cuda-nvrtc-cu12, nvidia-cuda-runtime-cu12 and"
-            " nvidia-nvjitlink-cu12, or --cuda"
-        )
+        p.error("no NVRTC: install nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12, or --cuda")
     with kernels_checked(Nvrtc(args.cuda)):
         run_models(args.presets.split(","), [int(r) for r in args.rows.split(",")])
     failed = [t for t, log in Checked.seen.items() if log is not None]

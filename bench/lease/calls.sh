@@ -83,10 +83,10 @@
 #     (the demo model back in the tree): MTP in bf16 over session 17's length.
 # Session 21 ran l1, r2, r3, r4 (bench/results/h200_v28): decode-ahead's store 25-30 us a
 # launch (not 465), the plain loop's gather still 144 us, pieces moved it into the stack.
-# Session 21's second lease (~18 min): l1; t2 (carry .gpu_b .gpu_llama; the demo model out of
-# the tree): tests and timelines of SLOTSERVE_HOST_PARAMS=1; q4 (carry .gpu_w; the suite,
-# SNS=1,8,32, with the parameters on if t2's gather lost its wait); t3 (tokens/s A/B); t4
-# (the demo model back, no carry: MTP N = 1 with and without).
+# Session 21's second lease: l1, t2 (tests and timelines of launch-parameter inputs), q4
+# (SNS=1,8,32 TS=480), t4 and MTP runs by hand (t2-t4 are in git history at 8278ea1; the
+# launch-parameter inputs were removed after it: the wait is the step's first kernel's,
+# whatever it reads). PERFORMANCE.md "Session 21".
 # Session 19's plan (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
 # tree), q2 (carry .gpu_b .gpu_llama): MLX, the 0.8B, llama.cpp's build started; the tensor-core
 # staged products' GPU tests (cores 11-15 beside the build), timelines at N = 8 with them on,
@@ -165,33 +165,6 @@ tl)  # timelines at N = 8 of R2's entries, name:SETTING[,SETTING]:LOOP ("-": the
       --model-dir $M --preset qwen3.5-0.8b --quant f16 --n 8 $loop --warmup 3 --steps 6 \
       --json "$OUT/tl_$name.json" --trace-dir /tmp/trace > "$OUT/tl_$name.md" 2>&1
     echo "== $name"; grep -E "^N=|scatter|gather|copy_v|stack" "$OUT/tl_$name.md" | cut -c1-150
-  done ;;
-t2)  # carry .gpu_b .gpu_llama, after l1 (session 21, ~5 min): MLX, the 0.8B, llama.cpp's build
-  # started; the launch-parameter inputs' GPU tests, then timelines at N = 8 with and without
-  # them, plain loop and decode-ahead (is the gather's 144 us wait gone?)
-  source .gpu_b/install-mlx-cuda.sh > "$OUT/t2_install.txt" 2>&1; tail -n 1 "$OUT/t2_install.txt"
-  export PYTHONPATH=/tmp/site:$PWD
-  LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > "$OUT/t2_setup.txt" 2>&1
-  taskset -c 11-15 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_host_inputs_cuda.py \
-    > "$OUT/t2_tests.txt" 2>&1; tail -n 3 "$OUT/t2_tests.txt"
-  R2=${T2:-plain::- params:SLOTSERVE_HOST_PARAMS=1:- ahead::--ahead \
-      ahead_params:SLOTSERVE_HOST_PARAMS=1:--ahead} bash "$0" tl ;;
-t3)  # after t2 (~4 min): tokens/s with and without launch-parameter inputs, in turn, pinned
-  export PYTHONPATH=/tmp/site:$PWD
-  taskset -c 0-7 timeout ${TS:-300} python3 bench/mlx_env_sweep.py --model-dir $M --preset qwen3.5-0.8b \
-    --quant f16 --gen 32 --n ${TN:-1,8} --json "$OUT/t3_sweep.json" \
-    --setting ahead_1:ARGS=--overlap --setting params_ahead_1:SLOTSERVE_HOST_PARAMS=1,ARGS=--overlap \
-    --setting params_plain_1:SLOTSERVE_HOST_PARAMS=1 --setting plain_1: \
-    --setting params_ahead_2:SLOTSERVE_HOST_PARAMS=1,ARGS=--overlap --setting ahead_2:ARGS=--overlap \
-    > "$OUT/t3_sweep.md" 2>&1; tail -n 14 "$OUT/t3_sweep.md" ;;
-t4)  # the demo model in the tree, no carry (~4 min): MTP at N = 1 in bf16, verify steps'
-  # ids as launch parameters or not
-  for v in params:1 arrays:0; do
-    SLOTSERVE_HOST_PARAMS=${v#*:} timeout ${T:-110} python3 bench/spec_phases.py \
-      --model models/slotserve-demo.gguf --n 1 --gen 64 --compile --precompile \
-      --configs plain:off,mtp:on --rounds 2 --dtype bf16 --trace \
-      --json "$OUT/t4_${v%%:*}.json" > "$OUT/t4_${v%%:*}.md" 2>&1
-    echo "== ${v%%:*}"; tail -n 5 "$OUT/t4_${v%%:*}.md"
   done ;;
 q2)  # MLX, the 0.8B, llama.cpp's build; the tensor-core products' tests and timelines
   source .gpu_b/install-mlx-cuda.sh > "$OUT/q2_install.txt" 2>&1; tail -n 1 "$OUT/q2_install.txt"

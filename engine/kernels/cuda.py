@@ -92,23 +92,19 @@ def cached_kernel(
 
 
 @contextmanager
-def kernels_replaced(
-    make: Callable[..., Any], run_precompiled: Callable[..., list[mx.array]]
-) -> Iterator[None]:
+def kernels_replaced(make: Callable[..., Any]) -> Iterator[None]:
     """For tools on a machine without a GPU (tools/nvrtc_check.py, bench/graph_nodes.py):
     every fused path on, and each kernel MLX would build made by `make(**kw)` instead (kw:
-    `mx.fast.cuda_kernel`'s arguments), each launch of a precompiled one (PTX) run by
-    `run_precompiled(**kw)` (`mx.fast.precompiled_cuda_kernel`'s); the cache of built
-    kernels emptied before and restored after."""
+    `mx.fast.cuda_kernel`'s arguments); the cache of built kernels emptied before and
+    restored after."""
     global available
-    saved = (mx.fast.cuda_kernel, mx.fast.precompiled_cuda_kernel, available, dict(_kernels))
+    saved = (mx.fast.cuda_kernel, available, dict(_kernels))
     mx.fast.cuda_kernel = make
-    mx.fast.precompiled_cuda_kernel = run_precompiled
     available = lambda: True  # noqa: E731
     _kernels.clear()
     try:
         yield
     finally:
-        mx.fast.cuda_kernel, mx.fast.precompiled_cuda_kernel, available = saved[:3]
+        mx.fast.cuda_kernel, available = saved[0], saved[1]
         _kernels.clear()
-        _kernels.update(saved[3])
+        _kernels.update(saved[2])

@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.kernels.host_inputs import from_host
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -58,7 +56,7 @@ class Layout:
             pad_index=pad_index,
             pack_index=pack_index,
             valid=valid,
-            row_starts=from_host(list(starts), mx.int32) if row_starts is None else row_starts,
+            row_starts=mx.array(list(starts), dtype=mx.int32) if row_starts is None else row_starts,
             row_lengths=row_lengths,
         )
 
