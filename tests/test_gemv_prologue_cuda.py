@@ -206,14 +206,17 @@ def _both_products(w: Weight, a: dict[str, mx.array], whole: bool = True) -> lis
     [(*case, mx.bfloat16) for case in MMA_CASES]
     + [(*case, mx.float16) for case in (MMA_CASES[0], MMA_CASES[3])],
 )
+@pytest.mark.parametrize("blocks", ["1", "auto"])  # SLOTSERVE_GEMV_MMA_BLOCKS
 def test_tensor_core_products_match_float32(
-    R: int, K: int, N: int, dtype: mx.Dtype, monkeypatch: pytest.MonkeyPatch
+    R: int, K: int, N: int, dtype: mx.Dtype, blocks: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Against the prologue's rows (the separate kernels') times the weights in float32:
     the products are exact in the fragments and summed in float32, so the outputs are off
     by their own rounding to 16 bits and the order of the sums (a wrong fragment, row or
-    output is off by O(1))."""
+    output is off by O(1)). With blocks sharing K (where the shape asks for it), each block's
+    sums meet in float32 too."""
     monkeypatch.setenv(gemv_cuda.STAGED_ENV, "1")
+    monkeypatch.setenv(gemv_cuda.MMA_BLOCKS_ENV, blocks)
     assert gemv_cuda.mma_takes(R, K, dtype, mx.zeros((N, K), dtype))
     w = _weight("float", N, K, dtype)
     a = _prologue_inputs(R, K, dtype)
@@ -233,13 +236,16 @@ def test_tensor_core_products_match_float32(
 
 
 @pytest.mark.parametrize(("K", "N"), [(1024, 1000), (3584, 1024)])
+@pytest.mark.parametrize("blocks", ["1", "auto"])  # (3584, 1024) with "auto": 2 blocks
 def test_a_tensor_core_row_is_the_same_whatever_rows_share_its_launch(
-    K: int, N: int, monkeypatch: pytest.MonkeyPatch
+    K: int, N: int, blocks: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An output is one weight row against one column of x: a row's result is bit for bit
     the same alone, among 2, 5 or 8 rows, and beside other rows' values — batch invariance
-    at decode sizes."""
+    at decode sizes; with blocks sharing K, whichever block finishes last, launch after
+    launch (each leaves its arrival counts at zero for the next)."""
     monkeypatch.setenv(gemv_cuda.STAGED_ENV, "1")
+    monkeypatch.setenv(gemv_cuda.MMA_BLOCKS_ENV, blocks)
     dtype = mx.bfloat16
     w = _weight("float", N, K, dtype)
     a8 = _prologue_inputs(8, K, dtype)

@@ -159,3 +159,32 @@ def test_every_norm_of_a_decode_step_runs_inside_a_product_kernel(
         states = SlotPool.split_states(model.config, pool.read(slots, 1))
         mx.eval(model(mx.array([3] * rows, dtype=mx.int32), layout, states)[0])
     assert calls == {"norm": 0, "fused": 2 * model.config.n_layer}
+
+
+def test_blocks_share_k_of_a_narrow_direct_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SLOTSERVE_GEMV_MMA_BLOCKS=auto: the 0.8B's down projection (1,024 x 3,584, 8 warps a
+    column group) has its K shared by 2 blocks — chosen from the shape alone, the same at
+    every row count — and that kernel compiles (the GPU test runs it: tests/
+    test_gemv_prologue_cuda.py); wide products and the default ("1") keep one block."""
+    from engine.kernels import gemv_cuda
+
+    monkeypatch.delenv(gemv_cuda.MMA_BLOCKS_ENV, raising=False)
+    assert gemv_cuda.mma_blocks(1024, 3584, 8) == 1  # off by default
+    monkeypatch.setenv(gemv_cuda.MMA_BLOCKS_ENV, "auto")
+    assert gemv_cuda.mma_blocks(1024, 3584, 8) == 2
+    assert gemv_cuda.mma_blocks(7168, 1024, 4) == 1  # gate|up: 1,792 warps already
+    assert gemv_cuda.mma_blocks(1024, 512, 2) == 2  # until a warp would keep < 4 rounds
+    assert gemv_cuda.mma_blocks(256, 4096, 8) == 4
+    monkeypatch.setenv(gemv_cuda.MMA_BLOCKS_ENV, "2")
+    with pytest.raises(ValueError, match="SLOTSERVE_GEMV_MMA_BLOCKS"):
+        gemv_cuda.mma_blocks(1024, 3584, 8)
+    monkeypatch.setenv(gemv_cuda.MMA_BLOCKS_ENV, "auto")
+    nvrtc_check.Checked.seen.clear()
+    nvrtc = nvrtc_check.Nvrtc(nvrtc_check.installed())  # type: ignore[arg-type]
+    with nvrtc_check.kernels_checked(nvrtc):
+        for rows in (1, 8):
+            gu = mx.zeros((rows, 2 * 3584), mx.bfloat16)
+            out = gemv_cuda.swiglu_gemv_cuda(gu, mx.zeros((1024, 3584), mx.bfloat16))
+            assert out.shape == (rows, 1024)
+    built = {t: log for t, log in nvrtc_check.Checked.seen.items() if "int BS = 2;" in t}
+    assert built and all(log is None for log in built.values()), built  # (R = 8; 1 row: CUDA cores)

@@ -21,8 +21,10 @@ kernel above (docs/PERFORMANCE.md, session 19).
 from __future__ import annotations
 
 import os
+import threading
 
 import mlx.core as mx
+import numpy as np
 
 from engine.gguf import QuantizedWeight, Weight
 from engine.kernels.cuda import cached_kernel, switched_on
@@ -486,19 +488,72 @@ _MMA_PRODUCT = """\
     }
 """
 
+# A direct product's K may also be shared by BS blocks (grid row `blockIdx.y`), each taking
+# whole rounds of 32 values: the 0.8B's down projection at 8 rows had 64 blocks of 8 warps
+# (split 8 is the most a block holds) for 132 multiprocessors, 14.7 us for 7.3 MB (session
+# 20). Each block's sums go to `part` [BS][R][N] (float); the last block of a column group
+# to finish (a count per group in `counts`, left at zero again) adds the BS sums in block
+# order and writes the outputs: the same sum whichever block is last, and BS depends on
+# the product's shape only, so a row's result does not depend on the rows beside it.
+_MMA_BLOCK_RANGE = """\
+    const long K_BEGIN = K / 32 * long(blockIdx.y) / BS * 32;  // this block's rounds of K
+    const long K_END = K / 32 * long(blockIdx.y + 1) / BS * 32;
+"""
+
+_MMA_BLOCK_TAIL = """\
+    if (BS > 1) {
+        __shared__ int is_last;
+        if (warp == 0) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = 2 * t + (i & 1);
+                const long o = row0 + g + (i >> 1) * 8;
+                if (r < R && o < N) part[(long(blockIdx.y) * R + r) * N + o] = c[i];
+            }
+        }
+        __threadfence();  // the sums visible to every block before the count says so
+        __syncthreads();
+        int* count = const_cast<int*>(reinterpret_cast<const int*>(counts)) + blockIdx.x;
+        if (threadIdx.x == 0) is_last = atomicAdd(count, 1) == BS - 1;
+        __syncthreads();
+        if (!is_last) return;
+        __threadfence();
+        if (threadIdx.x == 0) *count = 0;  // ready for the next launch
+        if (warp == 0) {
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = 2 * t + (i & 1);
+                const long o = row0 + g + (i >> 1) * 8;
+                if (r < R && o < N) {
+                    float sum = 0.0f;
+                    for (int b = 0; b < BS; ++b) sum += __ldcg(part + (long(b) * R + r) * N + o);
+                    out[r * N + o] = static_cast<T>(sum);
+                }
+            }
+        }
+        return;
+    }
+"""
+
 # The group's warps add their sums in the stage (free after the last chunk), in warp order.
-_MMA_TAIL = """\
-    float* part = reinterpret_cast<float*>(stage_raw);  // [G][SPLIT][32 lanes][4]
+_MMA_TAIL = (
+    """\
+    float* sums = reinterpret_cast<float*>(stage_raw);  // [G][SPLIT][32 lanes][4]
     if (SPLIT > 1) {
         #pragma unroll
-        for (int i = 0; i < 4; ++i) part[((grp * SPLIT + warp) * 32 + lane) * 4 + i] = c[i];
+        for (int i = 0; i < 4; ++i) sums[((grp * SPLIT + warp) * 32 + lane) * 4 + i] = c[i];
         __syncthreads();
     }
     if (warp == 0) {
         #pragma unroll
         for (int s = 1; s < SPLIT; ++s)
             #pragma unroll
-            for (int i = 0; i < 4; ++i) c[i] += part[((grp * SPLIT + s) * 32 + lane) * 4 + i];
+            for (int i = 0; i < 4; ++i) c[i] += sums[((grp * SPLIT + s) * 32 + lane) * 4 + i];
+    }
+"""
+    + _MMA_BLOCK_TAIL
+    + """\
+    if (warp == 0) {
         #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int r = 2 * t + (i & 1);
@@ -507,14 +562,16 @@ _MMA_TAIL = """\
         }
     }
 """
+)
 
 _MMA_SOURCE = (
     _STAGED_HEAD
     + _MMA_ACC
     + _MMA_LOADS
     + _MMA_X
-    + "    for (long K_LO = 0; K_LO < K; K_LO += KC) {\n"
-    + "    const long K_HI = K_LO + KC < K ? K_LO + KC : K;\n"
+    + _MMA_BLOCK_RANGE
+    + "    for (long K_LO = K_BEGIN; K_LO < K_END; K_LO += KC) {\n"
+    + "    const long K_HI = K_LO + KC < K_END ? K_LO + KC : K_END;\n"
     + "    load_w(wa, wb, K_LO + long(warp) * 32 + t * 8, K_HI);\n"
     + "    if (!DIRECT) {\n"
     + _STAGED_CHUNK
@@ -711,6 +768,8 @@ MMA_WARPS = 1024  # "auto" splits K until a product has this many warps (or 8 a 
 MMA_MAX_SPLIT = 8
 MMA_UNROLL_ENV = "SLOTSERVE_GEMV_MMA_UNROLL"
 MMA_DIRECT_ENV = "SLOTSERVE_GEMV_MMA_DIRECT"
+MMA_BLOCKS_ENV = "SLOTSERVE_GEMV_MMA_BLOCKS"
+MMA_MIN_ROUNDS = 4  # rounds of 32 values a warp keeps at least when blocks share K
 
 
 def mma_takes(rows: int, K: int, dtype: mx.Dtype, w: Weight) -> bool:
@@ -738,6 +797,39 @@ def mma_split(n_out: int, K: int) -> int:
     while split < 8 and warps * split < MMA_WARPS and K // (32 * 2 * split) >= 8:
         split *= 2
     return split
+
+
+def mma_blocks(n_out: int, K: int, split: int) -> int:
+    """Blocks sharing K of a direct tensor-core product (`_MMA_BLOCK_TAIL`;
+    SLOTSERVE_GEMV_MMA_BLOCKS: "1", the default until the H200 has run it, or "auto"): where
+    `split` warps a column group leave the product short of `MMA_WARPS` warps, the fewest of
+    2, 4, ... that reach it while every warp keeps `MMA_MIN_ROUNDS` rounds. From the shape
+    alone, so a row's sums do not depend on how many rows share the launch. The 0.8B's
+    down projection (1,024 x 3,584, split 8: 512 warps in 64 blocks): 2."""
+    if _switch(MMA_BLOCKS_ENV) == "1":
+        return 1
+    warps = -(-n_out // MMA_OUTS) * split
+    blocks = 1
+    while warps * blocks < MMA_WARPS and K // (32 * split * blocks * 2) >= MMA_MIN_ROUNDS:
+        blocks *= 2
+    return blocks
+
+
+_counts: dict[int, mx.array] = {}
+
+
+def _block_counts(groups: int) -> mx.array:
+    """The arrival counts of a block-shared product (`_MMA_BLOCK_TAIL`): one int32 a column
+    group, zero between launches (each launch's last block resets its group's). One array
+    per thread: launches on one thread's stream run in order, so none shares a count with a
+    launch in flight; grown (a new array of zeros) for a launch with more groups."""
+    key = threading.get_ident()
+    counts = _counts.get(key)
+    if counts is None or counts.size < groups:
+        size = max(4096, 1 << (groups - 1).bit_length())
+        counts = _counts[key] = mx.array(np.zeros(size, dtype=np.int32))
+        mx.eval(counts)
+    return counts
 
 
 def staged_split(n_out: int, outs: int, K: int = 0, mma: bool = False) -> int:
@@ -780,6 +872,7 @@ SWITCHES: dict[str, tuple[str, ...]] = {
     MMA_ENV: ("1", "0"),
     MMA_UNROLL_ENV: ("4", "1", "2", "8"),
     MMA_DIRECT_ENV: ("1", "0"),
+    MMA_BLOCKS_ENV: ("1", "auto"),
     STAGE_AHEAD_ENV: ("1", "rows"),
     STAGED_UNROLL_ENV: ("1", "2", "4"),
 }
@@ -931,7 +1024,18 @@ def _launch(
         inputs, names = [*inputs, w], [*names, "w"]
         extra = [("W", w.dtype)]
     outputs = ["out", "h"] if pro == _ADD_NORM else ["out"]
+    shapes: list[tuple[int, ...]] = [(R, N), (R, K)] if pro == _ADD_NORM else [(R, N)]
     dtype = inputs[0].dtype
+    dtypes, public = [dtype] * len(outputs), len(outputs)
+    column_groups = -(-N // (outs * groups))
+    blocks = mma_blocks(N, K, split) if direct else 1
+    if blocks > 1:  # (after the weight: its inputs' names above are the kernel's order)
+        inputs, names = [*inputs, _block_counts(column_groups)], [*names, "counts"]
+        outputs, shapes, dtypes = (
+            [*outputs, "part"],
+            [*shapes, (blocks, R, N)],
+            [*dtypes, mx.float32],
+        )
     source = _source(names, pro, eps, staged, mma)
     variant = f"{','.join(names)}|{pro}|{eps!r}"
     if staged:  # dynamic shared memory is the kernel's, not the launch's: bucket it
@@ -949,28 +1053,27 @@ def _launch(
         ahead = R if mma or _switch(STAGE_AHEAD_ENV) == "rows" else 1
         extra += [("G", groups), ("KC", chunk), ("RA", ahead)]
         if mma:
-            extra += [("BF", int(dtype == mx.bfloat16)), ("DIRECT", int(direct))]
+            extra += [("BF", int(dtype == mx.bfloat16)), ("DIRECT", int(direct)), ("BS", blocks)]
     else:
         kernel = cached_kernel("gemv", variant, names, outputs, source)
-    return list(
-        kernel(
-            inputs=inputs,
-            template=[
-                ("T", dtype),
-                ("R", R),
-                ("BITS", bits),
-                ("VEC", 128 // bits),
-                ("OUTS", outs),
-                ("U", unroll),
-                ("SPLIT", split),
-                *extra,
-            ],
-            grid=(-(-N // (outs * groups)) * 32 * split * groups, 1, 1),
-            threadgroup=(32 * split * groups, 1, 1),
-            output_shapes=[(R, N), (R, K)][: len(outputs)],
-            output_dtypes=[dtype] * len(outputs),
-        )
+    made = kernel(
+        inputs=inputs,
+        template=[
+            ("T", dtype),
+            ("R", R),
+            ("BITS", bits),
+            ("VEC", 128 // bits),
+            ("OUTS", outs),
+            ("U", unroll),
+            ("SPLIT", split),
+            *extra,
+        ],
+        grid=(column_groups * 32 * split * groups, blocks, 1),
+        threadgroup=(32 * split * groups, 1, 1),
+        output_shapes=shapes,
+        output_dtypes=dtypes,
     )
+    return list(made[:public])
 
 
 def _source(
@@ -990,5 +1093,7 @@ def _source(
         ]
     if "m" not in names:
         lines.append("    const T* m = nullptr; const float* nw = nullptr; T* h = nullptr;")
+    if mma and "counts" not in names:  # (a product K is not shared by blocks in: BS = 1)
+        lines.append("    const int32_t* counts = nullptr; float* part = nullptr;")
     body = _MMA_SOURCE if mma else _STAGED_SOURCE if staged else _SOURCE
     return "\n".join(lines) + "\n" + body
