@@ -19,6 +19,11 @@ capture, then the pool's rollback to one kept token), to set beside the plain st
 `--ahead` runs plain steps as the scheduler's decode-ahead does (step t + 1 launched on step
 t's argmax on the device, then step t's tokens read): a step's window is then one turn of
 that loop, and its idle time is where the GPU waited for the host in serving.
+`--wake` queues a one-element kernel as each step's host work begins, before its graph is
+built: in session 21's timelines the step's first kernel took 70-144 us whatever it read
+(a gather of 8 ids, a kernel reading only its launch parameters) after the GPU had idled
+~0.9 ms for the host. If the wait is the idle GPU's, it moves to the wake kernel, off the
+step's path; if it is the step's own first launch, it stays.
 """
 
 from __future__ import annotations
@@ -207,7 +212,14 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         # the device, which the next step launches on before the host reads it
         state: Any = mx.array(toks, dtype=mx.int32) if args.ahead else toks
 
+        wake = mx.zeros((1,), dtype=mx.float32)
+        mx.eval(wake)
+
         def step(runner: ModelRunner, slots: list[SlotId], toks: Any) -> Any:
+            nonlocal wake
+            if args.wake:  # a kernel now, while the host builds the step (no step reads it)
+                wake = wake + 1
+                mx.async_eval(wake)
             lengths = runner.pool.lengths
             if args.ahead:  # as the scheduler's decode-ahead
                 out = runner.adopt(runner.launch(slots, toks), range(len(slots)))
@@ -297,6 +309,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         type=int,
         default=0,
         help="time verify steps instead: K drafts a row with capture, rolled back to one token",
+    )
+    p.add_argument(
+        "--wake",
+        action="store_true",
+        help="a one-element kernel queued as each step's host work begins (see above)",
     )
     p.add_argument("--trace-dir", default="out/timeline")
     p.add_argument("--json")

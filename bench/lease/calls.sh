@@ -87,6 +87,10 @@
 # (SNS=1,8,32 TS=480), t4 and MTP runs by hand (t2-t4 are in git history at 8278ea1; the
 # launch-parameter inputs were removed after it: the wait is the step's first kernel's,
 # whatever it reads). PERFORMANCE.md "Session 21".
+# Next lease (session 22 plan, ~18 min): l1 (carry .gpu_a .gpu_w; the demo model out of the
+# tree); u2 (carry .gpu_b .gpu_llama): tests of SLOTSERVE_GEMV_MMA_BLOCKS, timelines (wake
+# kernel, blocks); u3: tokens/s blocks vs one; if blocks won, make it the default and run
+# q4 (carry .gpu_w) with SLOTSERVE_GEMV_MMA_BLOCKS=auto exported: the suite at N = 1, 8, 32.
 # Session 19's plan (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
 # tree), q2 (carry .gpu_b .gpu_llama): MLX, the 0.8B, llama.cpp's build started; the tensor-core
 # staged products' GPU tests (cores 11-15 beside the build), timelines at N = 8 with them on,
@@ -166,6 +170,27 @@ tl)  # timelines at N = 8 of R2's entries, name:SETTING[,SETTING]:LOOP ("-": the
       --json "$OUT/tl_$name.json" --trace-dir /tmp/trace > "$OUT/tl_$name.md" 2>&1
     echo "== $name"; grep -E "^N=|scatter|gather|copy_v|stack" "$OUT/tl_$name.md" | cut -c1-150
   done ;;
+u2)  # carry .gpu_b .gpu_llama, after l1 (session 22 plan, ~5 min): MLX, the 0.8B, llama.cpp's
+  # build started; the tensor-core products' GPU tests with blocks sharing K (both
+  # settings); timelines at N = 8: the first kernel's wait with a wake kernel queued first,
+  # and the down product with SLOTSERVE_GEMV_MMA_BLOCKS=auto (14.7 us a launch before)
+  source .gpu_b/install-mlx-cuda.sh > "$OUT/u2_install.txt" 2>&1; tail -n 1 "$OUT/u2_install.txt"
+  export PYTHONPATH=/tmp/site:$PWD
+  LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > "$OUT/u2_setup.txt" 2>&1
+  taskset -c 11-15 timeout ${TT:-150} python3 -m pytest -q -p no:cacheprovider \
+    tests/test_gemv_prologue_cuda.py -k "tensor_core" > "$OUT/u2_tests.txt" 2>&1
+  tail -n 3 "$OUT/u2_tests.txt"
+  R2=${U2:-plain::- wake::--wake blocks:SLOTSERVE_GEMV_MMA_BLOCKS=auto:- \
+      blocks_ahead:SLOTSERVE_GEMV_MMA_BLOCKS=auto:--ahead} bash "$0" tl
+  for f in "$OUT"/tl_*.md; do grep -E "gemv_mma|^  gather|^  custom_kernel_slotserve_gemv" "$f" \
+    | head -3 | sed "s|^|$(basename "$f" .md): |"; done ;;
+u3)  # after u2 (~5 min): tokens/s, decode-ahead, blocks sharing K or not, in turn, pinned
+  export PYTHONPATH=/tmp/site:$PWD
+  taskset -c 0-7 timeout ${TS:-300} python3 bench/mlx_env_sweep.py --model-dir $M --preset qwen3.5-0.8b \
+    --quant f16 --gen 32 --n ${TN:-1,8,32} --json "$OUT/u3_sweep.json" \
+    --setting one_1:ARGS=--overlap --setting blocks_1:SLOTSERVE_GEMV_MMA_BLOCKS=auto,ARGS=--overlap \
+    --setting blocks_2:SLOTSERVE_GEMV_MMA_BLOCKS=auto,ARGS=--overlap --setting one_2:ARGS=--overlap \
+    > "$OUT/u3_sweep.md" 2>&1; tail -n 16 "$OUT/u3_sweep.md" ;;
 q2)  # MLX, the 0.8B, llama.cpp's build; the tensor-core products' tests and timelines
   source .gpu_b/install-mlx-cuda.sh > "$OUT/q2_install.txt" 2>&1; tail -n 1 "$OUT/q2_install.txt"
   export PYTHONPATH=/tmp/site:$PWD
