@@ -19,6 +19,11 @@ capture, then the pool's rollback to one kept token), to set beside the plain st
 `--ahead` runs plain steps as the scheduler's decode-ahead does (step t + 1 launched on step
 t's argmax on the device, then step t's tokens read): a step's window is then one turn of
 that loop, and its idle time is where the GPU waited for the host in serving.
+`--inputs params` makes each step's token ids from a kernel's launch parameters
+(`host_values.py`, bench only) and `--pin-readbacks` keeps every array the host reads (the
+argmax ids) alive, so MLX's buffer cache never hands its host-touched managed buffer to a
+later kernel: both together test whether the first kernel's wait (below) is managed pages
+the host touched — host-made inputs read, or recycled host-read buffers written.
 `--wake` queues a one-element kernel as each step's host work begins, before its graph is
 built: in session 21's timelines the step's first kernel took 70-144 us whatever it read
 (a gather of 8 ids, a kernel reading only its launch parameters) after the GPU had idled
@@ -190,7 +195,16 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     from engine.cache import SlotId, SlotPool
     from engine.gguf import GGUFFile
     from engine.models.qwen35 import Model
-    from engine.runner import ModelRunner, Row, last_logits
+    from engine.runner import ModelRunner, Row, StepInputs, last_logits
+
+    if args.inputs == "params":  # (bench only: the engine's ids are host-made arrays)
+        from host_values import MAX_VALUES, int32_from_params
+
+        made = StepInputs.tokens
+        StepInputs.tokens = lambda self, values: (  # type: ignore[method-assign]
+            int32_from_params(values) if len(values) <= MAX_VALUES else made(self, values)
+        )
+    pinned: list[Any] = []  # --pin-readbacks: every array the host read, alive to the end
 
     torch.zeros(1, device="cuda")  # CUPTI needs the CUDA context up
     path = ensure_model(args.preset, args.quant, Path(args.model_dir))
@@ -226,11 +240,16 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
                 nxt = mx.argmax(last_logits(out.rows), axis=-1)
                 mx.async_eval(nxt)
                 toks.tolist()  # step t's tokens to the host while step t + 1 runs
+                if args.pin_readbacks:
+                    pinned.append(toks)
                 return nxt
             if not K:
                 rows = [Row(s, [t], lengths[s]) for s, t in zip(slots, toks, strict=True)]
                 out = runner.step(rows)
-                return [int(t) for t in mx.argmax(last_logits(out.rows), axis=-1).tolist()]
+                ids = mx.argmax(last_logits(out.rows), axis=-1)
+                if args.pin_readbacks:
+                    pinned.append(ids)
+                return [int(t) for t in ids.tolist()]
             # a verify step: K drafts (the token repeated) with capture, none accepted
             rows = [
                 Row(s, [t] * (K + 1), lengths[s], capture=True, want=[0])
@@ -309,6 +328,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         type=int,
         default=0,
         help="time verify steps instead: K drafts a row with capture, rolled back to one token",
+    )
+    p.add_argument(
+        "--inputs",
+        choices=("arrays", "params"),
+        default="arrays",
+        help="each step's token ids as host-made arrays (the engine's) or launch parameters",
+    )
+    p.add_argument(
+        "--pin-readbacks",
+        action="store_true",
+        help="keep every array the host reads alive (its buffer never recycled)",
     )
     p.add_argument(
         "--wake",

@@ -255,7 +255,7 @@ class ModelRunner:
             tok_pos = layout.row_starts[: len(slots)] if pads else layout.row_starts
         else:
             tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, lengths)
-        inputs = [mx.array(tokens, dtype=mx.int32), self.inputs.kept(picked)]
+        inputs = [self.inputs.tokens(tokens), self.inputs.kept(picked)]
         # every position, in order (decode, verify): the forward takes them without a gather
         every = len(picked) == len(tokens) and picked == list(range(len(tokens)))
         _, fn = self._forward_fn(layout, len(picked), past, taps, every)
@@ -975,6 +975,10 @@ class StepInputs:
             self.derived += 1
             return after[2]
         return mx.array(starts, dtype=mx.int32)
+
+    def tokens(self, values: list[int]) -> mx.array:
+        """A step's token ids (new every step: made from the host's list)."""
+        return mx.array(values, dtype=mx.int32)
 
     def ran(self, slots: Sequence[int], starts: Sequence[int], after: mx.array) -> None:
         """A step of one token a row on `slots` at `starts` was built; `after` (lazy) holds

@@ -88,9 +88,13 @@
 # launch-parameter inputs were removed after it: the wait is the step's first kernel's,
 # whatever it reads). PERFORMANCE.md "Session 21".
 # Next lease (session 22 plan, ~18 min): l1 (carry .gpu_a .gpu_w; the demo model out of the
-# tree); u2 (carry .gpu_b .gpu_llama): tests of SLOTSERVE_GEMV_MMA_BLOCKS, timelines (wake
-# kernel, blocks); u3: tokens/s blocks vs one; if blocks won, make it the default and run
-# q4 (carry .gpu_w) with SLOTSERVE_GEMV_MMA_BLOCKS=auto exported: the suite at N = 1, 8, 32.
+# tree); u2 (carry .gpu_b .gpu_llama): tests of SLOTSERVE_GEMV_MMA_BLOCKS, timelines of the
+# first kernel's wait (ids from launch parameters, read-back arrays pinned: is it recycled
+# managed memory?); u2b: a wake kernel, blocks sharing K; u3: tokens/s blocks vs one; if
+# blocks won, make it the default and run q4 (carry .gpu_w) with SLOTSERVE_GEMV_MMA_BLOCKS=auto
+# exported: the suite at N = 1, 8, 32. If params_pin lost the wait: read-backs and small
+# inputs through MLX's small-block pool (8-byte arrays, which the GPU maps where they lie)
+# or kept out of the general buffer cache, in the engine.
 # Session 19's plan (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
 # tree), q2 (carry .gpu_b .gpu_llama): MLX, the 0.8B, llama.cpp's build started; the tensor-core
 # staged products' GPU tests (cores 11-15 beside the build), timelines at N = 8 with them on,
@@ -161,29 +165,35 @@ r4)  # after r3 (~5 min): tokens/s, decode-ahead, host vs device positions, in t
     --setting host_1:SLOTSERVE_STEP_INPUTS=host,ARGS=--overlap --setting device_1:ARGS=--overlap \
     --setting device_2:ARGS=--overlap --setting host_2:SLOTSERVE_STEP_INPUTS=host,ARGS=--overlap \
     > "$OUT/r4_sweep.md" 2>&1; tail -n 12 "$OUT/r4_sweep.md" ;;
-tl)  # timelines at N = 8 of R2's entries, name:SETTING[,SETTING]:LOOP ("-": the plain loop)
+tl)  # timelines at N = 8 of R2's entries, name:SETTING[,SETTING]:ARGS[,ARG] ("-": the plain loop)
   export PYTHONPATH=/tmp/site:$PWD
   for v in $R2; do
     IFS=: read name setting loop <<< "$v"; [ "$loop" = - ] && loop=
     env ${setting//,/ } taskset -c 0-7 timeout ${TR:-90} python3 bench/gpu_timeline.py \
-      --model-dir $M --preset qwen3.5-0.8b --quant f16 --n 8 $loop --warmup 3 --steps 6 \
-      --json "$OUT/tl_$name.json" --trace-dir /tmp/trace > "$OUT/tl_$name.md" 2>&1
-    echo "== $name"; grep -E "^N=|scatter|gather|copy_v|stack" "$OUT/tl_$name.md" | cut -c1-150
+      --model-dir $M --preset qwen3.5-0.8b --quant f16 --n 8 ${loop//,/ } --warmup 3 --steps 6 \
+      --json "$OUT/tl_$name.json" --trace-dir /tmp/trace > "/tmp/tl_$name.md" 2>&1
+    # (a call brings back 8 files at most: the tables go into one)
+    { echo "== $name"; grep -v -i warn "/tmp/tl_$name.md"; } >> "$OUT/tl_all.md"
+    echo "== $name"; grep -E "^N=|scatter|gather|copy_v|stack|host_values" "/tmp/tl_$name.md" \
+      | cut -c1-150
   done ;;
 u2)  # carry .gpu_b .gpu_llama, after l1 (session 22 plan, ~5 min): MLX, the 0.8B, llama.cpp's
   # build started; the tensor-core products' GPU tests with blocks sharing K (both
   # settings); timelines at N = 8: the first kernel's wait with a wake kernel queued first,
   # and the down product with SLOTSERVE_GEMV_MMA_BLOCKS=auto (14.7 us a launch before)
-  source .gpu_b/install-mlx-cuda.sh > "$OUT/u2_install.txt" 2>&1; tail -n 1 "$OUT/u2_install.txt"
+  source .gpu_b/install-mlx-cuda.sh > /tmp/u2_install.txt 2>&1; tail -n 1 /tmp/u2_install.txt
   export PYTHONPATH=/tmp/site:$PWD
-  LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > "$OUT/u2_setup.txt" 2>&1
+  LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > /tmp/u2_setup.txt 2>&1
   taskset -c 11-15 timeout ${TT:-150} python3 -m pytest -q -p no:cacheprovider \
     tests/test_gemv_prologue_cuda.py -k "tensor_core" > "$OUT/u2_tests.txt" 2>&1
   tail -n 3 "$OUT/u2_tests.txt"
-  R2=${U2:-plain::- wake::--wake blocks:SLOTSERVE_GEMV_MMA_BLOCKS=auto:- \
+  # the first kernel's wait: managed pages the host touched? (gpu_timeline.py's docstring)
+  R2=${U2:-plain::- params_pin::--inputs,params,--pin-readbacks pin::--pin-readbacks \
+      params::--inputs,params} bash "$0" tl ;;
+u2b)  # after u2 (~4 min): a wake kernel first; blocks sharing K, plain and decode-ahead
+  R2=${U2B:-wake::--wake blocks:SLOTSERVE_GEMV_MMA_BLOCKS=auto:- \
       blocks_ahead:SLOTSERVE_GEMV_MMA_BLOCKS=auto:--ahead} bash "$0" tl
-  for f in "$OUT"/tl_*.md; do grep -E "gemv_mma|^  gather|^  custom_kernel_slotserve_gemv" "$f" \
-    | head -3 | sed "s|^|$(basename "$f" .md): |"; done ;;
+  for f in "$OUT"/tl_blocks*.md; do grep -E "gemv_mma" "$f" | head -2; done ;;
 u3)  # after u2 (~5 min): tokens/s, decode-ahead, blocks sharing K or not, in turn, pinned
   export PYTHONPATH=/tmp/site:$PWD
   taskset -c 0-7 timeout ${TS:-300} python3 bench/mlx_env_sweep.py --model-dir $M --preset qwen3.5-0.8b \
