@@ -194,6 +194,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
 
     from engine.cache import SlotId, SlotPool
     from engine.gguf import GGUFFile
+    from engine.kernels.argmax_cuda import argmax_rows
     from engine.models.qwen35 import Model
     from engine.runner import ModelRunner, Row, StepInputs, last_logits
 
@@ -220,7 +221,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         vocab = min(32000, model.config.n_vocab)
         prompts = [[int(t) for t in rng.integers(0, vocab, args.prompt)] for _ in slots]
         out = runner.step([Row(s, p, 0) for s, p in zip(slots, prompts, strict=True)])
-        toks = mx.argmax(last_logits(out.rows), axis=-1).tolist()
+        toks = argmax_rows(last_logits(out.rows)).tolist()
 
         # the state a step passes on: its tokens (host ints), or with --ahead its argmax on
         # the device, which the next step launches on before the host reads it
@@ -237,7 +238,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
             lengths = runner.pool.lengths
             if args.ahead:  # as the scheduler's decode-ahead
                 out = runner.adopt(runner.launch(slots, toks), range(len(slots)))
-                nxt = mx.argmax(last_logits(out.rows), axis=-1)
+                nxt = argmax_rows(last_logits(out.rows))
                 mx.async_eval(nxt)
                 toks.tolist()  # step t's tokens to the host while step t + 1 runs
                 if args.pin_readbacks:
@@ -246,7 +247,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
             if not K:
                 rows = [Row(s, [t], lengths[s]) for s, t in zip(slots, toks, strict=True)]
                 out = runner.step(rows)
-                ids = mx.argmax(last_logits(out.rows), axis=-1)
+                ids = argmax_rows(last_logits(out.rows))
                 if args.pin_readbacks:
                     pinned.append(ids)
                 return [int(t) for t in ids.tolist()]
@@ -256,7 +257,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
                 for s, t in zip(slots, toks, strict=True)
             ]
             out = runner.step(rows)
-            nxt = [int(t) for t in mx.argmax(last_logits(out.rows), axis=-1).tolist()]
+            nxt = [int(t) for t in argmax_rows(last_logits(out.rows)).tolist()]
             runner.pool.rollback_many([(s, 1) for s in slots])
             return nxt
 

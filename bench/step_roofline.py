@@ -24,6 +24,7 @@ import numpy as np
 
 from engine.cache import SlotPool
 from engine.gguf import GGUFFile
+from engine.kernels.argmax_cuda import argmax_rows
 from engine.models.qwen35 import Model
 from engine.runner import ModelRunner, Row
 from engine.writer import preset, write_model
@@ -88,14 +89,14 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
             t = time.perf_counter()
             out = runner.step([Row(s, p, 0) for s, p in zip(slots, prompts, strict=True)])
             prefill_s = time.perf_counter() - t
-        toks = mx.argmax(mx.concatenate([r.logits for r in out.rows]), axis=-1).tolist()
+        toks = argmax_rows(mx.concatenate([r.logits for r in out.rows])).tolist()
         step_s, host_s = [], []
         tok, prev = mx.array(toks, dtype=mx.int32), None
         for i in range(args.gen + args.warmup):
             t0 = time.perf_counter()
             if args.overlap:  # step t+1 queued on step t's argmax before the host reads it
                 out = runner.adopt(runner.launch(slots, tok), range(n))
-                nxt = mx.argmax(mx.concatenate([r.logits for r in out.rows]), axis=-1)
+                nxt = argmax_rows(mx.concatenate([r.logits for r in out.rows]))
                 mx.async_eval(nxt)
                 if prev is not None:
                     prev.tolist()
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
             else:
                 rows = [Row(s, [t], pool.lengths[s]) for s, t in zip(slots, toks, strict=True)]
                 out = runner.step(rows)
-                toks = mx.argmax(mx.concatenate([r.logits for r in out.rows]), axis=-1).tolist()
+                toks = argmax_rows(mx.concatenate([r.logits for r in out.rows])).tolist()
             t1 = time.perf_counter()
             if i >= args.warmup:
                 step_s.append(t1 - t0)

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import numpy as np
 
+from engine.kernels.argmax_cuda import argmax_rows
+
 
 class SamplingError(ValueError):
     """Sampling parameters out of range; the message names the parameter."""
@@ -258,7 +260,7 @@ def device_tokens(
     one per sampled row), batched by kind: greedy rows by one argmax, the sampled rows by
     one `distribution` and `draw` over just them."""
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
+    greedy = argmax_rows(logits).astype(mx.int32)
     if not sampled:
         return greedy
     u = np.array(uniforms, dtype=np.float32)
@@ -279,7 +281,7 @@ def greedy_tokens(logits: mx.array) -> np.ndarray:
     """Each row's argmax (the first on ties), on the host."""
     if on_host():
         return np.asarray(logits).argmax(axis=-1)
-    return np.array(mx.argmax(logits, axis=-1))
+    return np.array(argmax_rows(logits))
 
 
 def top_logprobs(logits: mx.array, n: int) -> tuple[mx.array, mx.array, mx.array]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 
 from engine import runner
-from engine.kernels import attention_cuda, cuda, gdn_mixer_cuda, gemv_cuda, stack_cuda
+from engine.kernels import argmax_cuda, attention_cuda, cuda, gdn_mixer_cuda, gemv_cuda, stack_cuda
 
 PREFIX = "SLOTSERVE_"
 
@@ -33,6 +33,7 @@ CHECKS: dict[str, Callable[[str], object]] = {
     gdn_mixer_cuda.WARPS_ENV: gdn_mixer_cuda.fixed_warps,
     attention_cuda.DECODE_ENV: _one_of(attention_cuda.DECODE_ENV, cuda.ON_OFF),
     stack_cuda.GROUPS_ENV: _one_of(stack_cuda.GROUPS_ENV, cuda.ON_OFF),
+    argmax_cuda.ENV: _one_of(argmax_cuda.ENV, cuda.ON_OFF),
     runner.SSM_WRITE_ENV: runner.parse_ssm_write,
     runner.STEP_INPUTS_ENV: runner.parse_step_inputs,
 }

@@ -188,3 +188,21 @@ def test_blocks_share_k_of_a_narrow_direct_product(monkeypatch: pytest.MonkeyPat
             assert out.shape == (rows, 1024)
     built = {t: log for t, log in nvrtc_check.Checked.seen.items() if "int BS = 2;" in t}
     assert built and all(log is None for log in built.values()), built  # (R = 8; 1 row: CUDA cores)
+
+
+def test_the_argmax_kernel_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SLOTSERVE_ARGMAX=1: each row's argmax by many blocks a row compiles for every logits
+    dtype (the GPU test compares it with MLX's: tests/test_argmax_cuda.py); off, MLX's."""
+    from engine.kernels import argmax_cuda
+
+    monkeypatch.delenv(argmax_cuda.ENV, raising=False)
+    assert not argmax_cuda.enabled()
+    monkeypatch.setenv(argmax_cuda.ENV, "1")
+    nvrtc_check.Checked.seen.clear()
+    nvrtc = nvrtc_check.Nvrtc(nvrtc_check.installed())  # type: ignore[arg-type]
+    with nvrtc_check.kernels_checked(nvrtc):
+        for dtype in (mx.bfloat16, mx.float16, mx.float32):
+            ids = argmax_cuda.argmax_rows(mx.zeros((8, 248320), dtype))
+            assert ids.shape == (8,) and ids.dtype == mx.uint32
+    built = [log for text, log in nvrtc_check.Checked.seen.items() if "slotserve_argmax" in text]
+    assert len(built) == 3 and all(log is None for log in built), built

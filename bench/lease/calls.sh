@@ -185,14 +185,15 @@ u2)  # carry .gpu_b .gpu_llama, after l1 (session 22 plan, ~5 min): MLX, the 0.8
   export PYTHONPATH=/tmp/site:$PWD
   LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > /tmp/u2_setup.txt 2>&1
   taskset -c 11-15 timeout ${TT:-150} python3 -m pytest -q -p no:cacheprovider \
-    tests/test_gemv_prologue_cuda.py -k "tensor_core" > "$OUT/u2_tests.txt" 2>&1
+    tests/test_gemv_prologue_cuda.py tests/test_argmax_cuda.py -k "tensor_core or argmax" \
+    > "$OUT/u2_tests.txt" 2>&1
   tail -n 3 "$OUT/u2_tests.txt"
   # the first kernel's wait: managed pages the host touched? (gpu_timeline.py's docstring)
   R2=${U2:-plain::- params_pin::--inputs,params,--pin-readbacks pin::--pin-readbacks \
       params::--inputs,params} bash "$0" tl ;;
 u2b)  # after u2 (~4 min): a wake kernel first; blocks sharing K, plain and decode-ahead
   R2=${U2B:-wake::--wake blocks:SLOTSERVE_GEMV_MMA_BLOCKS=auto:- \
-      blocks_ahead:SLOTSERVE_GEMV_MMA_BLOCKS=auto:--ahead} bash "$0" tl
+      blocks_ahead:SLOTSERVE_GEMV_MMA_BLOCKS=auto,SLOTSERVE_ARGMAX=1:--ahead} bash "$0" tl
   for f in "$OUT"/tl_blocks*.md; do grep -E "gemv_mma" "$f" | head -2; done ;;
 u3)  # after u2 (~5 min): tokens/s, decode-ahead, blocks sharing K or not, in turn, pinned
   export PYTHONPATH=/tmp/site:$PWD
@@ -200,6 +201,7 @@ u3)  # after u2 (~5 min): tokens/s, decode-ahead, blocks sharing K or not, in tu
     --quant f16 --gen 32 --n ${TN:-1,8,32} --json "$OUT/u3_sweep.json" \
     --setting one_1:ARGS=--overlap --setting blocks_1:SLOTSERVE_GEMV_MMA_BLOCKS=auto,ARGS=--overlap \
     --setting blocks_2:SLOTSERVE_GEMV_MMA_BLOCKS=auto,ARGS=--overlap --setting one_2:ARGS=--overlap \
+    --setting both:SLOTSERVE_GEMV_MMA_BLOCKS=auto,SLOTSERVE_ARGMAX=1,ARGS=--overlap \
     > "$OUT/u3_sweep.md" 2>&1; tail -n 16 "$OUT/u3_sweep.md" ;;
 q2)  # MLX, the 0.8B, llama.cpp's build; the tensor-core products' tests and timelines
   source .gpu_b/install-mlx-cuda.sh > "$OUT/q2_install.txt" 2>&1; tail -n 1 "$OUT/q2_install.txt"

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 _kernels: dict[tuple[str, str], Any] = {}
 
@@ -89,6 +91,25 @@ def cached_kernel(
             shared_memory=shared_memory,
         )
     return kernel
+
+
+_counts: dict[int, mx.array] = {}
+
+
+def arrival_counts(n: int) -> mx.array:
+    """Arrival counts for kernels whose blocks share a result (the last block of a group to
+    arrive finishes it: `gemv_cuda`'s blocks sharing K, `argmax_cuda`): at least `n` int32
+    zeros, which such a kernel writes though MLX sees an input, and leaves at zero again
+    (each launch's last block resets its group's). One array per thread: launches on one
+    thread's stream run in order, so none shares a count with a launch in flight; replaced
+    by a larger array of zeros for a launch with more groups."""
+    key = threading.get_ident()
+    counts = _counts.get(key)
+    if counts is None or counts.size < n:
+        size = max(4096, 1 << (n - 1).bit_length())
+        counts = _counts[key] = mx.array(np.zeros(size, dtype=np.int32))
+        mx.eval(counts)
+    return counts
 
 
 @contextmanager

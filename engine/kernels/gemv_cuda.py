@@ -21,13 +21,11 @@ kernel above (docs/PERFORMANCE.md, session 19).
 from __future__ import annotations
 
 import os
-import threading
 
 import mlx.core as mx
-import numpy as np
 
 from engine.gguf import QuantizedWeight, Weight
-from engine.kernels.cuda import cached_kernel, switched_on
+from engine.kernels.cuda import arrival_counts, cached_kernel, switched_on
 
 MAX_ROWS = 8  # rows of x a launch takes (its accumulators live in registers)
 _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
@@ -815,23 +813,6 @@ def mma_blocks(n_out: int, K: int, split: int) -> int:
     return blocks
 
 
-_counts: dict[int, mx.array] = {}
-
-
-def _block_counts(groups: int) -> mx.array:
-    """The arrival counts of a block-shared product (`_MMA_BLOCK_TAIL`): one int32 a column
-    group, zero between launches (each launch's last block resets its group's). One array
-    per thread: launches on one thread's stream run in order, so none shares a count with a
-    launch in flight; grown (a new array of zeros) for a launch with more groups."""
-    key = threading.get_ident()
-    counts = _counts.get(key)
-    if counts is None or counts.size < groups:
-        size = max(4096, 1 << (groups - 1).bit_length())
-        counts = _counts[key] = mx.array(np.zeros(size, dtype=np.int32))
-        mx.eval(counts)
-    return counts
-
-
 def staged_split(n_out: int, outs: int, K: int = 0, mma: bool = False) -> int:
     """Warps per output group sharing K in the staged kernel (SLOTSERVE_GEMV_STAGED_SPLIT):
     "auto" (the default): 4 where one warp per group leaves fewer blocks than the GPU has
@@ -1030,7 +1011,7 @@ def _launch(
     column_groups = -(-N // (outs * groups))
     blocks = mma_blocks(N, K, split) if direct else 1
     if blocks > 1:  # (after the weight: its inputs' names above are the kernel's order)
-        inputs, names = [*inputs, _block_counts(column_groups)], [*names, "counts"]
+        inputs, names = [*inputs, arrival_counts(column_groups)], [*names, "counts"]
         outputs, shapes, dtypes = (
             [*outputs, "part"],
             [*shapes, (blocks, R, N)],
