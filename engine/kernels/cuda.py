@@ -107,8 +107,9 @@ def arrival_counts(n: int) -> mx.array:
     counts = _counts.get(key)
     if counts is None or counts.size < n:
         size = max(4096, 1 << (n - 1).bit_length())
+        # (made from numpy: already data, nothing to evaluate — it may be made while a
+        # compiled function is traced, which captures it as it does the weights)
         counts = _counts[key] = mx.array(np.zeros(size, dtype=np.int32))
-        mx.eval(counts)
     return counts
 
 

@@ -1010,7 +1010,7 @@ def _launch(
     dtypes, public = [dtype] * len(outputs), len(outputs)
     column_groups = -(-N // (outs * groups))
     blocks = mma_blocks(N, K, split) if direct else 1
-    if blocks > 1:  # (after the weight: its inputs' names above are the kernel's order)
+    if blocks > 1:  # the arrival counts as the last input, the block sums as a second output
         inputs, names = [*inputs, arrival_counts(column_groups)], [*names, "counts"]
         outputs, shapes, dtypes = (
             [*outputs, "part"],
