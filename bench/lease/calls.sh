@@ -87,14 +87,22 @@
 # (SNS=1,8,32 TS=480), t4 and MTP runs by hand (t2-t4 are in git history at 8278ea1; the
 # launch-parameter inputs were removed after it: the wait is the step's first kernel's,
 # whatever it reads). PERFORMANCE.md "Session 21".
-# Next lease (session 22 plan, ~18 min): l1 (carry .gpu_a .gpu_w; the demo model out of the
-# tree); u2 (carry .gpu_b .gpu_llama): tests of SLOTSERVE_GEMV_MMA_BLOCKS, timelines of the
-# first kernel's wait (ids from launch parameters, read-back arrays pinned: is it recycled
-# managed memory?); u2b: a wake kernel, blocks sharing K; u3: tokens/s blocks vs one; if
-# blocks won, make it the default and run q4 (carry .gpu_w) with SLOTSERVE_GEMV_MMA_BLOCKS=auto
-# exported: the suite at N = 1, 8, 32. If params_pin lost the wait: read-backs and small
-# inputs through MLX's small-block pool (8-byte arrays, which the GPU maps where they lie)
-# or kept out of the general buffer cache, in the engine.
+# Next lease (session 22 plan, ~25 min; fire the calls back to back, the machine goes after
+# ~30 s idle):
+#  1. l1 (carry .gpu_a .gpu_w; models/slotserve-demo.gguf moved out of the tree, ~80 s held).
+#  2. u2 (carry .gpu_b .gpu_llama, ~5 min): MLX, the 0.8B, llama.cpp's build started; the GPU
+#     tests of SLOTSERVE_GEMV_MMA_BLOCKS (the tensor-core tests, both settings) and of
+#     SLOTSERVE_ARGMAX; timelines of the first kernel's wait: ids from launch parameters and
+#     read-back arrays pinned (is it recycled managed memory? params_pin should lose it, pin
+#     and params alone should not).
+#  3. u2b (~4 min): a wake kernel first; blocks sharing K, plain and decode-ahead (+ argmax).
+#  4. u3 (~5 min): tokens/s, decode-ahead, one block vs blocks vs both, N = 1, 8, 32.
+#  5. If blocks / argmax won and their tests passed: export them and run q4 (carry .gpu_w;
+#     SNS=1,8,32 TS=480) — the suite (N = 8 read 1.26x llama.cpp ahead in session 21; the
+#     target is 1.3x); then make them the default after the lease.
+# If params_pin lost the wait: build read-backs and small inputs through MLX's small-block
+# pool (8-byte arrays, which the GPU maps where they lie) or otherwise out of the general
+# buffer cache, in the engine.
 # Session 19's plan (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
 # tree), q2 (carry .gpu_b .gpu_llama): MLX, the 0.8B, llama.cpp's build started; the tensor-core
 # staged products' GPU tests (cores 11-15 beside the build), timelines at N = 8 with them on,
