@@ -32,6 +32,7 @@ CHECKS: dict[str, Callable[[str], object]] = {
     gemv_cuda.PROLOGUE_QUANTIZED_ENV: gemv_cuda.prologue_quantized,
     gdn_mixer_cuda.WARPS_ENV: gdn_mixer_cuda.fixed_warps,
     attention_cuda.DECODE_ENV: _one_of(attention_cuda.DECODE_ENV, cuda.ON_OFF),
+    attention_cuda.SPLIT_ENV: _one_of(attention_cuda.SPLIT_ENV, attention_cuda.SPLIT_CHUNKS),
     stack_cuda.GROUPS_ENV: _one_of(stack_cuda.GROUPS_ENV, cuda.ON_OFF),
     argmax_cuda.ENV: _one_of(argmax_cuda.ENV, cuda.ON_OFF),
     runner.SSM_WRITE_ENV: runner.parse_ssm_write,

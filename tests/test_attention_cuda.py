@@ -6,6 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from gpu_paths import assert_as_close_as, on_cpu, two_steps
 
@@ -66,7 +67,61 @@ def test_the_decode_kernel_is_the_two_kernels_exactly(
 ) -> None:
     """Rows of one token at starts 0 (no past), 1, 37 and 300: the one kernel makes what
     `prepare` then `attend` make, bit for bit — the output and the new keys and values."""
-    starts = [0, 1, 37, 300]
+    args, kw = _decode_inputs(H, HKV, D, rope, dtype, [0, 1, 37, 300])
+    monkeypatch.setenv(attention_cuda.DECODE_ENV, "0")
+    want = attention_cuda.attention_cuda(*args, **kw)
+    monkeypatch.setenv(attention_cuda.DECODE_ENV, "1")
+    got = attention_cuda.attention_cuda(*args, **kw)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert bool(mx.array_equal(g, w))
+
+
+@pytest.mark.parametrize(
+    ("H", "HKV", "D", "rope", "dtype"),
+    [(8, 2, 256, 64, mx.bfloat16), (4, 2, 32, 16, mx.float32)],
+)
+@pytest.mark.parametrize("chunk", ["64", "256"])
+def test_keys_shared_by_blocks(
+    H: int,
+    HKV: int,
+    D: int,
+    rope: int,
+    dtype: mx.Dtype,
+    chunk: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SLOTSERVE_ATTENTION_SPLIT: a row of at most `chunk` keys is the one-block kernel's
+    bit for bit; a longer one merges its blocks' softmax states to within float rounding of
+    it, the same alone as beside other rows and launch after launch; the new keys and values
+    are the same either way."""
+    starts = [0, 1, 37, 63, 64, 300]
+    args, kw = _decode_inputs(H, HKV, D, rope, dtype, starts)
+    monkeypatch.setenv(attention_cuda.SPLIT_ENV, "0")
+    want = attention_cuda.attention_cuda(*args, **kw)
+    monkeypatch.setenv(attention_cuda.SPLIT_ENV, chunk)
+    got = attention_cuda.attention_cuda(*args, **kw)
+    assert bool(mx.array_equal(got[1], want[1])) and bool(mx.array_equal(got[2], want[2]))
+    out, ref = np.array(got[0].astype(mx.float32)), np.array(want[0].astype(mx.float32))
+    tol = 2e-2 if dtype == mx.bfloat16 else 1e-5
+    for b, start in enumerate(starts):
+        if start < int(chunk):
+            assert np.array_equal(out[b], ref[b]), start
+        else:
+            assert np.abs(out[b] - ref[b]).max() <= tol * max(np.abs(ref[b]).max(), 1.0), start
+    again = attention_cuda.attention_cuda(*args, **kw)
+    assert bool(mx.array_equal(again[0], got[0]))
+    # the last row alone (its token packed first): its own blocks, its own result
+    last = [args[0][-1:], mx.zeros((1, 1), mx.int32), mx.zeros((1,), mx.int32)]
+    last += [a[-1:] for a in args[3:7]] + args[7:]
+    alone = attention_cuda.attention_cuda(*last, **kw)
+    assert bool(mx.array_equal(alone[0], got[0][-1:]))
+
+
+def _decode_inputs(
+    H: int, HKV: int, D: int, rope: int, dtype: mx.Dtype, starts: list[int]
+) -> tuple[list[mx.array], dict[str, object]]:
+    """`attention_cuda`'s inputs for rows of one token at `starts` over a past of 320."""
     B, S = len(starts), 320
     W = 2 * H * D + 2 * HKV * D
     key = mx.random.key(7)
@@ -90,10 +145,4 @@ def test_the_decode_kernel_is_the_two_kernels_exactly(
         omega,
     ]
     kw = {"n_heads": H, "n_kv_heads": HKV, "rope_dim": rope, "eps": 1e-6}
-    monkeypatch.setenv(attention_cuda.DECODE_ENV, "0")
-    want = attention_cuda.attention_cuda(*args, **kw)
-    monkeypatch.setenv(attention_cuda.DECODE_ENV, "1")
-    got = attention_cuda.attention_cuda(*args, **kw)
-    for g, w in zip(got, want, strict=True):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        assert bool(mx.array_equal(g, w))
+    return args, kw

@@ -206,3 +206,41 @@ def test_the_argmax_kernel_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
             assert ids.shape == (8,) and ids.dtype == mx.uint32
     built = [log for text, log in nvrtc_check.Checked.seen.items() if "slotserve_argmax" in text]
     assert len(built) == 3 and all(log is None for log in built), built
+
+
+@pytest.mark.parametrize("chunk", ["0", "64"])
+def test_decode_attention_with_keys_shared_by_blocks_compiles(
+    chunk: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SLOTSERVE_ATTENTION_SPLIT=64: a decode row's keys shared by blocks of 64 (the 0.8B's
+    heads, a past of 300: 5 blocks a row and head, from the shape alone) compiles; "0", the
+    default, builds the one-block kernel. (The GPU tests compare both with the portable
+    path: tests/test_attention_cuda.py.)"""
+    from engine.kernels import attention_cuda
+
+    monkeypatch.setenv(attention_cuda.SPLIT_ENV, chunk)
+    H, Hkv, D, B, S = 8, 2, 256, 2, 300
+    nvrtc_check.Checked.seen.clear()
+    nvrtc = nvrtc_check.Nvrtc(nvrtc_check.installed())  # type: ignore[arg-type]
+    with nvrtc_check.kernels_checked(nvrtc):
+        idx = mx.array([[0], [1]], dtype=mx.int32)
+        out, k, v = attention_cuda.attention_cuda(
+            mx.zeros((B, H * 2 * D + 2 * Hkv * D), mx.bfloat16),
+            idx,
+            mx.array([0, 1], dtype=mx.int32),
+            mx.array([299, 5], dtype=mx.int32),
+            mx.array([1, 1], dtype=mx.int32),
+            mx.zeros((B, S, Hkv, D), mx.bfloat16),
+            mx.zeros((B, S, Hkv, D), mx.bfloat16),
+            mx.ones((D,)),
+            mx.ones((D,)),
+            mx.ones((D // 4,)),
+            n_heads=H,
+            n_kv_heads=Hkv,
+            rope_dim=D // 2,
+            eps=1e-6,
+        )
+        assert out.shape == (B, H * D) and k.shape == v.shape == (B, Hkv, D)
+    split = [log for t, log in nvrtc_check.Checked.seen.items() if "int SPLITS = 5;" in t]
+    assert len(split) == (chunk != "0") and all(log is None for log in split), split
+    assert all(log is None for log in nvrtc_check.Checked.seen.values())

@@ -193,7 +193,8 @@ u2)  # carry .gpu_b .gpu_llama, after l1 (session 22 plan, ~5 min): MLX, the 0.8
   export PYTHONPATH=/tmp/site:$PWD
   LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > /tmp/u2_setup.txt 2>&1
   taskset -c 11-15 timeout ${TT:-150} python3 -m pytest -q -p no:cacheprovider \
-    tests/test_gemv_prologue_cuda.py tests/test_argmax_cuda.py -k "tensor_core or argmax" \
+    tests/test_gemv_prologue_cuda.py tests/test_argmax_cuda.py tests/test_attention_cuda.py \
+    -k "tensor_core or argmax or shared_by_blocks or decode" \
     > "$OUT/u2_tests.txt" 2>&1
   tail -n 3 "$OUT/u2_tests.txt"
   # the first kernel's wait: managed pages the host touched? (gpu_timeline.py's docstring)
@@ -202,7 +203,15 @@ u2)  # carry .gpu_b .gpu_llama, after l1 (session 22 plan, ~5 min): MLX, the 0.8
 u2b)  # after u2 (~4 min): a wake kernel first; blocks sharing K, plain and decode-ahead
   R2=${U2B:-wake::--wake blocks:SLOTSERVE_GEMV_MMA_BLOCKS=auto:- \
       blocks_ahead:SLOTSERVE_GEMV_MMA_BLOCKS=auto,SLOTSERVE_ARGMAX=1:--ahead} bash "$0" tl
-  for f in "$OUT"/tl_blocks*.md; do grep -E "gemv_mma" "$f" | head -2; done ;;
+  for f in "$OUT"/tl_blocks*.md; do grep -E "gemv_mma" "$f" | head -2; done
+  # a long context (a 4,096-token prompt): decode attention one block a head, or keys
+  # shared by blocks of 128, at N = 1 and 8 (the attention kernel's row of each)
+  for v in one:0 split:128; do
+    SLOTSERVE_ATTENTION_SPLIT=${v#*:} taskset -c 0-7 timeout 120 python3 bench/gpu_timeline.py \
+      --model-dir $M --preset qwen3.5-0.8b --quant f16 --n 1,8 --prompt 4096 --warmup 3 \
+      --steps 6 --json "$OUT/tl_long_${v%%:*}.json" --trace-dir /tmp/trace > /tmp/long.md 2>&1
+    echo "== long ${v%%:*}"; grep -E "^N=|attention" /tmp/long.md | cut -c1-150
+  done ;;
 u3)  # after u2 (~5 min): tokens/s, decode-ahead, blocks sharing K or not, in turn, pinned
   export PYTHONPATH=/tmp/site:$PWD
   taskset -c 0-7 timeout ${TS:-300} python3 bench/mlx_env_sweep.py --model-dir $M --preset qwen3.5-0.8b \

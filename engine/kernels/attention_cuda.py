@@ -29,9 +29,11 @@ Numerics: f32 arithmetic throughout; tests compare with the portable path.
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 
-from engine.kernels.cuda import cached_kernel, env_flag, switched_on
+from engine.kernels.cuda import arrival_counts, cached_kernel, env_flag, switched_on
 
 # One head of `proj`'s packed row n from column `col`: RMS-normalised by its norm weight and
 # rotated at position `pos` into `r`, and for a key (`!is_q`) its value head into `vv`; `y`
@@ -113,7 +115,7 @@ _PREPARE = (
 
 # Both attention kernels' end: each warp folds its U loaded keys into its online softmax
 # (closing the loop over keys), then the block's warps merge theirs, gate and write the row.
-_KEYS_AND_OUT = """\
+_KEYS = """\
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             if (j0 + u > last) break;
@@ -140,6 +142,9 @@ _KEYS_AND_OUT = """\
     float ll = 0.0f;
     #pragma unroll
     for (int i = 0; i < NW; ++i) ll += part_l[i] * expf(part_m[i] - mm);
+"""
+
+_OUT = """\
     for (int d = threadIdx.x; d < D; d += BLOCK) {
         float acc = 0.0f;
         #pragma unroll
@@ -148,6 +153,54 @@ _KEYS_AND_OUT = """\
         out[(n * H + h) * D + d] = static_cast<OUT_T>(acc / ll / (1.0f + expf(-g)));
     }
 """
+
+# A decode row's keys shared by blocks (`blockIdx.y`, CHUNK positions each; SPLITS > 1): a
+# row whose keys fit one chunk writes its output as above; otherwise each of its blocks
+# writes its softmax state (the block's max, sum and weighted values) to `part`, and the
+# row-head's last block to arrive (a count each in `counts`, reset by it) merges them in
+# block order and writes the output: the same sums whichever block is last, and a row's
+# blocks are set by its own length, so its result does not depend on the rows beside it.
+_SPLIT_OUT = (
+    """\
+    if (start < CHUNK) {  // one block's keys: its output as unsplit
+"""
+    + _OUT
+    + """\
+        return;
+    }
+    const int parts = start / CHUNK + 1;  // the row's blocks (keys 0 .. start)
+    const long rh = long(b) * H + h;
+    float* mine = part + (rh * SPLITS + s) * (D + 2);
+    for (int d = threadIdx.x; d < D; d += BLOCK) {
+        float acc = 0.0f;
+        #pragma unroll
+        for (int i = 0; i < NW; ++i) acc += part_o[i][d] * expf(part_m[i] - mm);
+        mine[d] = acc;
+    }
+    if (threadIdx.x == 0) { mine[D] = mm; mine[D + 1] = ll; }
+    __threadfence();  // this block's state visible to every block before its count says so
+    __syncthreads();
+    __shared__ int is_last;
+    int* count = const_cast<int*>(reinterpret_cast<const int*>(counts)) + rh;
+    if (threadIdx.x == 0) is_last = atomicAdd(count, 1) == parts - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    if (threadIdx.x == 0) *count = 0;  // ready for the next launch
+    const float* row = part + rh * SPLITS * (D + 2);
+    float M = -1e30f, L = 0.0f;
+    for (int i = 0; i < parts; ++i) M = fmaxf(M, __ldcg(row + i * (D + 2) + D));
+    for (int i = 0; i < parts; ++i)
+        L += __ldcg(row + i * (D + 2) + D + 1) * expf(__ldcg(row + i * (D + 2) + D) - M);
+    for (int d = threadIdx.x; d < D; d += BLOCK) {
+        float acc = 0.0f;
+        for (int i = 0; i < parts; ++i)
+            acc += __ldcg(row + i * (D + 2) + d) * expf(__ldcg(row + i * (D + 2) + D) - M);
+        const float g = static_cast<float>(proj[n * W + h * 2 * D + D + d]);
+        out[(n * H + h) * D + d] = static_cast<OUT_T>(acc / L / (1.0f + expf(-g)));
+    }
+"""
+)
 
 _ATTEND = (
     """
@@ -204,7 +257,8 @@ _ATTEND = (
             }
         }
 """
-    + _KEYS_AND_OUT
+    + _KEYS
+    + _OUT
 )
 
 
@@ -212,7 +266,7 @@ _ATTEND = (
 # the block's query head, warp 1 its group's new key and value, each as `prepare` does (its
 # per-warp scratch is the head's row of `made`), then every warp attends as in `_ATTEND`,
 # the row's one new position read from `made`.
-_DECODE = (
+_DECODE_BODY = (
     """
     constexpr int PER = D / 32;
     constexpr int NW = BLOCK / 32;
@@ -230,7 +284,7 @@ _DECODE = (
     const int kvh = h / (H / HKV);
     const int start = row_starts[b];
     const long n = pad_index[b];
-    __shared__ float made[3][D];  // the query head (rounded to OUT_T), new key, value (KV_T)
+@SPLIT_TOP@    __shared__ float made[3][D];  // the query head (rounded to OUT_T), new key, value (KV_T)
     __shared__ float part_m[NW], part_l[NW];
     __shared__ float part_o[NW][D];
 
@@ -242,7 +296,7 @@ _DECODE = (
 """
     + _MAKE_HEAD
     + """\
-        const bool writes = !is_q && h % (H / HKV) == 0;  // the group's first head stores
+        const bool writes = !is_q && h % (H / HKV) == 0 @FIRST@;  // the group's first head stores
         #pragma unroll
         for (int e = 0; e < PER; ++e) {
             const int j = lane + 32 * e;
@@ -268,8 +322,7 @@ _DECODE = (
         o[e] = 0.0f;
     }
     float m = -1e30f, l = 0.0f;
-    const int last = start;
-    for (int j0 = w * U; j0 <= last; j0 += NW * U) {
+@RANGE@    for (int j0 = first + w * U; j0 <= last; j0 += NW * U) {
         float kf[U][PER], vf[U][PER];
         #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -291,10 +344,35 @@ _DECODE = (
             }
         }
 """
-    + _KEYS_AND_OUT
+)
+
+_DECODE = (
+    _DECODE_BODY.replace("@SPLIT_TOP@", "")
+    .replace(" @FIRST@", "")
+    .replace("@RANGE@", "    const int first = 0, last = start;\n")
+    + _KEYS
+    + _OUT
+)
+
+# (a block whose chunk starts past the row's keys has nothing to do; the row's first block
+# stores the new key and value)
+_DECODE_SPLIT = (
+    _DECODE_BODY.replace(
+        "@SPLIT_TOP@", "    const int s = blockIdx.y;\n    if (s * CHUNK > start) return;\n"
+    )
+    .replace(" @FIRST@", " && s == 0")
+    .replace(
+        "@RANGE@",
+        "    const int first = s * CHUNK;\n"
+        "    const int last = start < first + CHUNK - 1 ? start : first + CHUNK - 1;\n",
+    )
+    + _KEYS
+    + _SPLIT_OUT
 )
 
 DECODE_ENV = "SLOTSERVE_ATTENTION_DECODE"
+SPLIT_ENV = "SLOTSERVE_ATTENTION_SPLIT"
+SPLIT_CHUNKS = ("0", "64", "128", "256")
 
 
 def enabled() -> bool:
@@ -308,6 +386,17 @@ def decode_kernel() -> bool:
     attention at 8 rows took 108 against 117 us, six launches fewer — or "0", `prepare` then
     `attend` as prefill rows take them)."""
     return env_flag(DECODE_ENV, "1")
+
+
+def split_chunk() -> int:
+    """Keys a block of the decode kernel takes when a row's keys are shared by blocks
+    (SLOTSERVE_ATTENTION_SPLIT: "0", the default until the H200 has run it — one block a row
+    and head, 8 blocks a step's layer at one row of the 0.8B, 18.5 us each, session 20 — or
+    64, 128, 256). A row of at most that many keys is computed as unsplit."""
+    value = os.environ.get(SPLIT_ENV, SPLIT_CHUNKS[0])
+    if value not in SPLIT_CHUNKS:
+        raise ValueError(f"{SPLIT_ENV}={value!r}: one of {', '.join(SPLIT_CHUNKS)}")
+    return int(value)
 
 
 def attention_cuda(
@@ -356,42 +445,59 @@ def attention_cuda(
     scale = 1.0 / float(D) ** 0.5
     block = 256
     if T == 1 and decode_kernel():
+        # blocks a row and head: from the past's length S (a shape: a row's keys are at most
+        # S + 1), so the launch is the same for every step of one shape
+        chunk = split_chunk()
+        splits = -(-(S + 1) // chunk) if chunk else 1
+        names = [
+            "proj",
+            "k_past",
+            "v_past",
+            "pad_index",
+            "row_starts",
+            "row_lengths",
+            "q_norm",
+            "k_norm",
+            "omega",
+        ]
+        inputs = [
+            proj,
+            k_past,
+            v_past,
+            pad_index,
+            row_starts,
+            row_lengths,
+            q_norm.astype(f32),
+            k_norm.astype(f32),
+            omega.astype(f32),
+        ]
+        outputs = ["out", "k_out", "v_out"]
+        shapes = [(N, n_heads * D), (N, Hkv, D), (N, Hkv, D)]
+        dtypes = [proj.dtype, kv_dtype, kv_dtype]
+        template = [*common, ("ROPE_DIM", rope_dim), ("BLOCK", block), ("U", 4)]
+        body, variant = _DECODE, "decode"
+        if splits > 1:  # the arrival counts in, each block's softmax state out
+            names, inputs = [*names, "counts"], [*inputs, arrival_counts(B * n_heads)]
+            outputs = [*outputs, "part"]
+            shapes, dtypes = [*shapes, (B * n_heads, splits, D + 2)], [*dtypes, f32]
+            template += [("CHUNK", chunk), ("SPLITS", splits)]
+            body, variant = _DECODE_SPLIT, "decode_split"
         decode = cached_kernel(
             "attention",
-            f"decode_{eps!r}_{scale!r}",
-            [
-                "proj",
-                "k_past",
-                "v_past",
-                "pad_index",
-                "row_starts",
-                "row_lengths",
-                "q_norm",
-                "k_norm",
-                "omega",
-            ],
-            ["out", "k_out", "v_out"],
+            f"{variant}_{eps!r}_{scale!r}",
+            names,
+            outputs,
             f"    constexpr float EPS = {eps!r}f;\n    constexpr float SCALE = {scale!r}f;\n"
-            + _DECODE,
+            + body,
             contiguous=False,  # (the past through its strides; the rest contiguous as made)
         )
-        out, k, v = decode(
-            inputs=[
-                proj,
-                k_past,
-                v_past,
-                pad_index,
-                row_starts,
-                row_lengths,
-                q_norm.astype(f32),
-                k_norm.astype(f32),
-                omega.astype(f32),
-            ],
-            template=[*common, ("ROPE_DIM", rope_dim), ("BLOCK", block), ("U", 4)],
-            grid=(B * n_heads * block, 1, 1),
+        out, k, v, *_ = decode(
+            inputs=inputs,
+            template=template,
+            grid=(B * n_heads * block, splits, 1),
             threadgroup=(block, 1, 1),
-            output_shapes=[(N, n_heads * D), (N, Hkv, D), (N, Hkv, D)],
-            output_dtypes=[proj.dtype, kv_dtype, kv_dtype],
+            output_shapes=shapes,
+            output_dtypes=dtypes,
         )
         return out, k, v
     prepare = cached_kernel(
