@@ -100,6 +100,8 @@
 #  5. If blocks / argmax won and their tests passed: export them and run q4 (carry .gpu_w;
 #     SNS=1,8,32 TS=480) — the suite (N = 8 read 1.26x llama.cpp ahead in session 21; the
 #     target is 1.3x); then make them the default after the lease.
+#  6. PROMPT=4096 SNS=1,8 q4 (with SLOTSERVE_ATTENTION_SPLIT=128 exported if u2b's long
+#     timeline showed it faster): decode beside llama.cpp at a long context, never run yet.
 # If params_pin lost the wait: build read-backs and small inputs through MLX's small-block
 # pool (8-byte arrays, which the GPU maps where they lie) or otherwise out of the general
 # buffer cache, in the engine.
@@ -288,7 +290,7 @@ q4)  # carry .gpu_w: the suite at N = 1, 8, 32 (0.8B only), pinned, one sample
   mkdir -p "$OUT/suite"
   OUT=$OUT/suite taskset -c ${CPUS:-0-7} timeout ${TS:-500} python3 bench/gpu_suite.py --model-dir $M \
     --llama-batched-bench $L --wheels .gpu_w/wheels --ns ${SNS:-1,8,32} --budget-s 1 \
-    --big-needs-s 1000 --reps 1 --steps 32 --ahead > "$OUT/q4_suite.log" 2>&1
+    --big-needs-s 1000 --reps 1 --steps 32 --ahead --prompt ${PROMPT:-128} > "$OUT/q4_suite.log" 2>&1
   tail -n 30 "$OUT/suite/gpu_suite.md" ;;
 m1)
   bash "$0" l1 ;;
