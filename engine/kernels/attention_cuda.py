@@ -170,7 +170,7 @@ _SPLIT_OUT = (
     }
     const int parts = start / CHUNK + 1;  // the row's blocks (keys 0 .. start)
     const long rh = long(b) * H + h;
-    float* mine = part + (rh * SPLITS + s) * (D + 2);
+    float* mine = part + (rh * SPLITS + split) * (D + 2);
     for (int d = threadIdx.x; d < D; d += BLOCK) {
         float acc = 0.0f;
         #pragma unroll
@@ -358,12 +358,13 @@ _DECODE = (
 # stores the new key and value)
 _DECODE_SPLIT = (
     _DECODE_BODY.replace(
-        "@SPLIT_TOP@", "    const int s = blockIdx.y;\n    if (s * CHUNK > start) return;\n"
+        "@SPLIT_TOP@",
+        "    const int split = blockIdx.y;  // the row's block\n    if (split * CHUNK > start) return;\n",
     )
-    .replace(" @FIRST@", " && s == 0")
+    .replace(" @FIRST@", " && split == 0")
     .replace(
         "@RANGE@",
-        "    const int first = s * CHUNK;\n"
+        "    const int first = split * CHUNK;\n"
         "    const int last = start < first + CHUNK - 1 ? start : first + CHUNK - 1;\n",
     )
     + _KEYS
