@@ -23,7 +23,10 @@ that loop, and its idle time is where the GPU waited for the host in serving.
 (`host_values.py`, bench only) and `--pin-readbacks` keeps every array the host reads (the
 argmax ids) alive, so MLX's buffer cache never hands its host-touched managed buffer to a
 later kernel: both together test whether the first kernel's wait (below) is managed pages
-the host touched — host-made inputs read, or recycled host-read buffers written.
+the host touched — host-made inputs read, or recycled host-read buffers written. A fix
+would keep such buffers out of the general cache: `--inputs pieces --readback pieces`
+passes ids both ways as arrays of 8 bytes, which MLX keeps in its small-block pool (pages
+the GPU maps where they lie; a one-row step's ids never waited).
 `--wake` queues a one-element kernel as each step's host work begins, before its graph is
 built: in session 21's timelines the step's first kernel took 70-144 us whatever it read
 (a gather of 8 ids, a kernel reading only its launch parameters) after the GPU had idled
@@ -198,13 +201,20 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     from engine.models.qwen35 import Model
     from engine.runner import ModelRunner, Row, StepInputs, last_logits
 
+    made = StepInputs.tokens
     if args.inputs == "params":  # (bench only: the engine's ids are host-made arrays)
         from host_values import MAX_VALUES, int32_from_params
 
-        made = StepInputs.tokens
         StepInputs.tokens = lambda self, values: (  # type: ignore[method-assign]
             int32_from_params(values) if len(values) <= MAX_VALUES else made(self, values)
         )
+    elif args.inputs == "pieces":  # 8-byte host arrays (MLX's small-block pool), joined
+
+        def pieces(self: StepInputs, values: list[int]) -> mx.array:
+            parts = [mx.array(values[i : i + 2], dtype=mx.int32) for i in range(0, len(values), 2)]
+            return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+        StepInputs.tokens = pieces  # type: ignore[method-assign]
     pinned: list[Any] = []  # --pin-readbacks: every array the host read, alive to the end
 
     torch.zeros(1, device="cuda")  # CUPTI needs the CUDA context up
@@ -250,6 +260,10 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
                 ids = argmax_rows(last_logits(out.rows))
                 if args.pin_readbacks:
                     pinned.append(ids)
+                if args.readback == "pieces":  # 8-byte copies (the small-block pool) read
+                    parts = [ids[i : i + 2] + 0 for i in range(0, len(slots), 2)]
+                    mx.eval(parts)
+                    return [int(t) for p in parts for t in p.tolist()]
                 return [int(t) for t in ids.tolist()]
             # a verify step: K drafts (the token repeated) with capture, none accepted
             rows = [
@@ -332,9 +346,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     p.add_argument(
         "--inputs",
-        choices=("arrays", "params"),
+        choices=("arrays", "params", "pieces"),
         default="arrays",
-        help="each step's token ids as host-made arrays (the engine's) or launch parameters",
+        help="each step's token ids as host-made arrays (the engine's), launch parameters, "
+        "or 8-byte host arrays joined on the device",
+    )
+    p.add_argument(
+        "--readback",
+        choices=("array", "pieces"),
+        default="array",
+        help="the plain loop reads its ids as one array (the engine's) or as 8-byte copies",
     )
     p.add_argument(
         "--pin-readbacks",

@@ -94,7 +94,7 @@
 #     tests of SLOTSERVE_GEMV_MMA_BLOCKS (the tensor-core tests, both settings) and of
 #     SLOTSERVE_ARGMAX; timelines of the first kernel's wait: ids from launch parameters and
 #     read-back arrays pinned (is it recycled managed memory? params_pin should lose it, pin
-#     and params alone should not).
+#     alone should not), and ids both ways as 8-byte arrays (the fix it would suggest).
 #  3. u2b (~4 min): a wake kernel first; blocks sharing K, plain and decode-ahead (+ argmax).
 #  4. u3 (~5 min): tokens/s, decode-ahead, one block vs blocks vs both, N = 1, 8, 32.
 #  5. If blocks / argmax won and their tests passed: export them and run q4 (carry .gpu_w;
@@ -200,8 +200,9 @@ u2)  # carry .gpu_b .gpu_llama, after l1 (session 22 plan, ~5 min): MLX, the 0.8
     > "$OUT/u2_tests.txt" 2>&1
   tail -n 3 "$OUT/u2_tests.txt"
   # the first kernel's wait: managed pages the host touched? (gpu_timeline.py's docstring)
+  # (ids from launch parameters alone: 70 us in the parameters' kernel, session 21)
   R2=${U2:-plain::- params_pin::--inputs,params,--pin-readbacks pin::--pin-readbacks \
-      params::--inputs,params} bash "$0" tl ;;
+      pieces::--inputs,pieces,--readback,pieces} bash "$0" tl ;;
 u2b)  # after u2 (~4 min): a wake kernel first; blocks sharing K, plain and decode-ahead
   R2=${U2B:-wake::--wake blocks:SLOTSERVE_GEMV_MMA_BLOCKS=auto:- \
       blocks_ahead:SLOTSERVE_GEMV_MMA_BLOCKS=auto,SLOTSERVE_ARGMAX=1:--ahead} bash "$0" tl
