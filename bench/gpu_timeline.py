@@ -23,10 +23,9 @@ that loop, and its idle time is where the GPU waited for the host in serving.
 (`host_values.py`, bench only) and `--pin-readbacks` keeps every array the host reads (the
 argmax ids) alive, so MLX's buffer cache never hands its host-touched managed buffer to a
 later kernel: both together test whether the first kernel's wait (below) is managed pages
-the host touched — host-made inputs read, or recycled host-read buffers written. A fix
-would keep such buffers out of the general cache: `--inputs pieces --readback pieces`
-passes ids both ways as arrays of 8 bytes, which MLX keeps in its small-block pool (pages
-the GPU maps where they lie; a one-row step's ids never waited).
+the host touched — host-made inputs read, or recycled host-read buffers written. The
+engine's SLOTSERVE_HOST_POOL=1 (`engine/kernels/host_pool.py`) is the fix it would suggest:
+ids both ways as arrays of 8 bytes, in MLX's small-block pool.
 `--wake` queues a one-element kernel as each step's host work begins, before its graph is
 built: in session 21's timelines the step's first kernel took 70-144 us whatever it read
 (a gather of 8 ids, a kernel reading only its launch parameters) after the GPU had idled
@@ -197,6 +196,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
 
     from engine.cache import SlotId, SlotPool
     from engine.gguf import GGUFFile
+    from engine.kernels import host_pool
     from engine.kernels.argmax_cuda import argmax_rows
     from engine.models.qwen35 import Model
     from engine.runner import ModelRunner, Row, StepInputs, last_logits
@@ -208,13 +208,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         StepInputs.tokens = lambda self, values: (  # type: ignore[method-assign]
             int32_from_params(values) if len(values) <= MAX_VALUES else made(self, values)
         )
-    elif args.inputs == "pieces":  # 8-byte host arrays (MLX's small-block pool), joined
 
-        def pieces(self: StepInputs, values: list[int]) -> mx.array:
-            parts = [mx.array(values[i : i + 2], dtype=mx.int32) for i in range(0, len(values), 2)]
-            return parts[0] if len(parts) == 1 else mx.concatenate(parts)
-
-        StepInputs.tokens = pieces  # type: ignore[method-assign]
     pinned: list[Any] = []  # --pin-readbacks: every array the host read, alive to the end
 
     torch.zeros(1, device="cuda")  # CUPTI needs the CUDA context up
@@ -250,7 +244,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
                 out = runner.adopt(runner.launch(slots, toks), range(len(slots)))
                 nxt = argmax_rows(last_logits(out.rows))
                 mx.async_eval(nxt)
-                toks.tolist()  # step t's tokens to the host while step t + 1 runs
+                host_pool.to_host(toks)  # step t's tokens to the host while step t + 1 runs
                 if args.pin_readbacks:
                     pinned.append(toks)
                 return nxt
@@ -260,11 +254,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
                 ids = argmax_rows(last_logits(out.rows))
                 if args.pin_readbacks:
                     pinned.append(ids)
-                if args.readback == "pieces":  # 8-byte copies (the small-block pool) read
-                    parts = [ids[i : i + 2] + 0 for i in range(0, len(slots), 2)]
-                    mx.eval(parts)
-                    return [int(t) for p in parts for t in p.tolist()]
-                return [int(t) for t in ids.tolist()]
+                return [int(t) for t in host_pool.to_host(ids)]  # (as the engine reads)
             # a verify step: K drafts (the token repeated) with capture, none accepted
             rows = [
                 Row(s, [t] * (K + 1), lengths[s], capture=True, want=[0])
@@ -346,16 +336,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     p.add_argument(
         "--inputs",
-        choices=("arrays", "params", "pieces"),
+        choices=("arrays", "params"),
         default="arrays",
-        help="each step's token ids as host-made arrays (the engine's), launch parameters, "
-        "or 8-byte host arrays joined on the device",
-    )
-    p.add_argument(
-        "--readback",
-        choices=("array", "pieces"),
-        default="array",
-        help="the plain loop reads its ids as one array (the engine's) or as 8-byte copies",
+        help="each step's token ids as the engine makes them or from launch parameters",
     )
     p.add_argument(
         "--pin-readbacks",

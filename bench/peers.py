@@ -102,6 +102,7 @@ class Ours:
     def greedy(self, tokens: Sequence[int]) -> list[int]:
         """One decode step and the argmax of every row, over the step's packed logits (as
         the scheduler samples), not a slice per row."""
+        from engine.kernels import host_pool
         from engine.kernels.argmax_cuda import argmax_rows
         from engine.runner import last_logits
 
@@ -110,7 +111,8 @@ class Ours:
         t0 = time.perf_counter()
         out = self._run([[t] for t in tokens])
         t1 = time.perf_counter()
-        tokens = [int(t) for t in argmax_rows(last_logits(out.rows)).tolist()]
+        ids = argmax_rows(last_logits(out.rows))
+        tokens = [int(t) for t in host_pool.to_host(ids)]  # (as the engine reads them)
         self.phases["step"].append(t1 - t0)
         self.phases["host"].append(self.runner.last_host_s)
         self.phases["sample"].append(time.perf_counter() - t1)
@@ -123,6 +125,7 @@ class Ours:
         host time up to the read, `sample` the wait for it (the device's share)."""
         import mlx.core as mx
 
+        from engine.kernels import host_pool
         from engine.kernels.argmax_cuda import argmax_rows
         from engine.runner import last_logits
 
@@ -137,7 +140,7 @@ class Ours:
         self.pending = self.runner.launch(self.slots, nxt)
         host = self.runner.last_host_s
         t1 = time.perf_counter()
-        tokens = [int(t) for t in nxt.tolist()]
+        tokens = [int(t) for t in host_pool.to_host(nxt)]
         self.pending_on = tokens
         self.lengths = [n + 1 for n in self.lengths]
         self.phases["step"].append(t1 - t0)

@@ -24,6 +24,7 @@ import numpy as np
 
 from engine.cache import SlotPool
 from engine.gguf import GGUFFile
+from engine.kernels import host_pool
 from engine.kernels.argmax_cuda import argmax_rows
 from engine.models.qwen35 import Model
 from engine.runner import ModelRunner, Row
@@ -98,13 +99,14 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
                 out = runner.adopt(runner.launch(slots, tok), range(n))
                 nxt = argmax_rows(mx.concatenate([r.logits for r in out.rows]))
                 mx.async_eval(nxt)
-                if prev is not None:
-                    prev.tolist()
+                if prev is not None:  # (read as the engine reads: `host_pool.to_host`)
+                    host_pool.to_host(prev).tolist()
                 prev = tok = nxt
             else:
                 rows = [Row(s, [t], pool.lengths[s]) for s, t in zip(slots, toks, strict=True)]
                 out = runner.step(rows)
-                toks = argmax_rows(mx.concatenate([r.logits for r in out.rows])).tolist()
+                ids = argmax_rows(mx.concatenate([r.logits for r in out.rows]))
+                toks = host_pool.to_host(ids).tolist()
             t1 = time.perf_counter()
             if i >= args.warmup:
                 step_s.append(t1 - t0)

@@ -23,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cache import SlotId, SlotPool
+from engine.kernels import host_pool
 from engine.models.batch import AttentionState, Layout, LinearCapture
 from engine.models.qwen35 import Model, MTPHead
 from engine.sampling import SamplingParams, Shaping, draw
@@ -977,8 +978,9 @@ class StepInputs:
         return mx.array(starts, dtype=mx.int32)
 
     def tokens(self, values: list[int]) -> mx.array:
-        """A step's token ids (new every step: made from the host's list)."""
-        return mx.array(values, dtype=mx.int32)
+        """A step's token ids (new every step: made from the host's list; in 8-byte pieces
+        with SLOTSERVE_HOST_POOL=1, `host_pool.ids`)."""
+        return host_pool.ids(values)
 
     def ran(self, slots: Sequence[int], starts: Sequence[int], after: mx.array) -> None:
         """A step of one token a row on `slots` at `starts` was built; `after` (lazy) holds

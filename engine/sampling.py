@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 import numpy as np
 
+from engine.kernels import host_pool
 from engine.kernels.argmax_cuda import argmax_rows
 
 
@@ -281,7 +282,7 @@ def greedy_tokens(logits: mx.array) -> np.ndarray:
     """Each row's argmax (the first on ties), on the host."""
     if on_host():
         return np.asarray(logits).argmax(axis=-1)
-    return np.array(argmax_rows(logits))
+    return host_pool.to_host(argmax_rows(logits))
 
 
 def top_logprobs(logits: mx.array, n: int) -> tuple[mx.array, mx.array, mx.array]:

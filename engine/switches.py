@@ -12,7 +12,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 
 from engine import runner
-from engine.kernels import argmax_cuda, attention_cuda, cuda, gdn_mixer_cuda, gemv_cuda, stack_cuda
+from engine.kernels import (
+    argmax_cuda,
+    attention_cuda,
+    cuda,
+    gdn_mixer_cuda,
+    gemv_cuda,
+    host_pool,
+    stack_cuda,
+)
 
 PREFIX = "SLOTSERVE_"
 
@@ -35,6 +43,7 @@ CHECKS: dict[str, Callable[[str], object]] = {
     attention_cuda.SPLIT_ENV: _one_of(attention_cuda.SPLIT_ENV, attention_cuda.SPLIT_CHUNKS),
     stack_cuda.GROUPS_ENV: _one_of(stack_cuda.GROUPS_ENV, cuda.ON_OFF),
     argmax_cuda.ENV: _one_of(argmax_cuda.ENV, cuda.ON_OFF),
+    host_pool.ENV: _one_of(host_pool.ENV, cuda.ON_OFF),
     runner.SSM_WRITE_ENV: runner.parse_ssm_write,
     runner.STEP_INPUTS_ENV: runner.parse_step_inputs,
 }

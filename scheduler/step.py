@@ -44,6 +44,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cache import PoolError, SlotId
+from engine.kernels import host_pool
 from engine.runner import BatchError, ModelRunner, PendingStep, Row, RowOutput
 from engine.sampling import on_host, top_logprobs
 from engine.spec.controller import CostController
@@ -394,7 +395,7 @@ class Stepper:
         is a row it queued (same sequence, slot and start, one token: the one it was fed) and
         the runner takes them into the pool; else None, and the queued step is dropped."""
         at = {id(seq): i for i, seq in enumerate(ahead.seqs)}
-        fed = [int(t) for t in np.array(ahead.tokens)]  # (resolved last step: no wait)
+        fed = [int(t) for t in host_pool.to_host(ahead.tokens)]  # (resolved last step: no wait)
         keep = []
         for seq, row in zip(seqs, rows, strict=True):
             i = at.get(id(seq))

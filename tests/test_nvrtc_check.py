@@ -244,3 +244,20 @@ def test_decode_attention_with_keys_shared_by_blocks_compiles(
     split = [log for t, log in nvrtc_check.Checked.seen.items() if "int SPLITS = 5;" in t]
     assert len(split) == (chunk != "0") and all(log is None for log in split), split
     assert all(log is None for log in nvrtc_check.Checked.seen.values())
+
+
+def test_the_host_pool_kernels_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SLOTSERVE_HOST_POOL=1: the kernels that copy a step's read-back ids into 8-byte
+    arrays compile for every count of pieces (the GPU test reads values through them:
+    tests/test_host_pool_cuda.py); off, nothing is built."""
+    from engine.kernels import host_pool
+
+    monkeypatch.setenv(host_pool.ENV, "1")
+    nvrtc_check.Checked.seen.clear()
+    nvrtc = nvrtc_check.Nvrtc(nvrtc_check.installed())  # type: ignore[arg-type]
+    with nvrtc_check.kernels_checked(nvrtc):
+        for n in (3, 5, 8, 9, 17, 33, 64):
+            assert host_pool.to_host(mx.zeros((n,), mx.int32)).shape == (n,)
+        assert host_pool.ids(list(range(8))).shape == (8,)
+    built = [log for t, log in nvrtc_check.Checked.seen.items() if "slotserve_host_pieces" in t]
+    assert len(built) == 5 and all(log is None for log in built), built  # 2, 4, 8, 16, 32

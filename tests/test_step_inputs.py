@@ -1,7 +1,8 @@
 """SLOTSERVE_STEP_INPUTS=device: a decode step takes its rows' starts from the step before,
-made on the device, and kept slot / output-index arrays (`engine.runner.StepInputs`). Only
-where the arrays are made may change: every output and every byte of the pool must be what
-host-made arrays give."""
+made on the device, and kept slot / output-index arrays (`engine.runner.StepInputs`); and
+SLOTSERVE_HOST_POOL=1: a step's ids made from 8-byte pieces (`host_pool.ids`; forced here,
+where the stack falls back to `mx.stack`). Only where the arrays are made may change: every
+output and every byte of the pool must be what host-made arrays give."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from engine.cache import SlotPool
+from engine.kernels import host_pool
 from engine.models.qwen35 import Model, load_model
 from engine.runner import ModelRunner, Row, StepInputs
 
@@ -121,3 +123,23 @@ def test_a_bad_step_inputs_mode_is_refused(model: Model, monkeypatch: pytest.Mon
     monkeypatch.setenv("SLOTSERVE_STEP_INPUTS", "gpu")
     with pytest.raises(ValueError, match="SLOTSERVE_STEP_INPUTS"):
         ModelRunner(model, SlotPool(model.config, 2, 16, mx.float32))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_ids_made_from_pieces_change_no_output_and_no_state(
+    model: Model, compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain_logits, plain_state, _ = run_mixed_workload(model, compiled, True)
+    monkeypatch.setattr(host_pool, "enabled", lambda: True)
+    logits, state, _ = run_mixed_workload(model, compiled, True)
+    assert_same_run(plain_logits, plain_state, logits, state)
+
+
+def test_ids_from_pieces_are_the_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_pool, "enabled", lambda: True)
+    for n in (0, 1, 2, 3, 4, 5, 8, 9, 33, 64, 65, 300):
+        values = [7 * i - 100 for i in range(n)]
+        made = host_pool.ids(values)
+        assert made.dtype == mx.int32 and made.tolist() == values
+    monkeypatch.setattr(host_pool, "enabled", lambda: False)
+    assert host_pool.to_host(mx.array([4, 5, 6])).tolist() == [4, 5, 6]

@@ -94,7 +94,8 @@
 #     tests of SLOTSERVE_GEMV_MMA_BLOCKS (the tensor-core tests, both settings) and of
 #     SLOTSERVE_ARGMAX; timelines of the first kernel's wait: ids from launch parameters and
 #     read-back arrays pinned (is it recycled managed memory? params_pin should lose it, pin
-#     alone should not), and ids both ways as 8-byte arrays (the fix it would suggest).
+#     alone should not), and SLOTSERVE_HOST_POOL=1 (ids both ways as 8-byte arrays: the fix
+#     it would suggest, built in session 21).
 #  3. u2b (~4 min): a wake kernel first; blocks sharing K, plain and decode-ahead (+ argmax).
 #  4. u3 (~5 min): tokens/s, decode-ahead, one block vs blocks vs both, N = 1, 8, 32.
 #  5. If blocks / argmax won and their tests passed: export them and run q4 (carry .gpu_w;
@@ -196,13 +197,13 @@ u2)  # carry .gpu_b .gpu_llama, after l1 (session 22 plan, ~5 min): MLX, the 0.8
   LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > /tmp/u2_setup.txt 2>&1
   taskset -c 11-15 timeout ${TT:-150} python3 -m pytest -q -p no:cacheprovider \
     tests/test_gemv_prologue_cuda.py tests/test_argmax_cuda.py tests/test_attention_cuda.py \
-    -k "tensor_core or argmax or shared_by_blocks or decode" \
+    tests/test_host_pool_cuda.py -k "tensor_core or argmax or shared_by_blocks or decode or pieces or both" \
     > "$OUT/u2_tests.txt" 2>&1
   tail -n 3 "$OUT/u2_tests.txt"
   # the first kernel's wait: managed pages the host touched? (gpu_timeline.py's docstring)
   # (ids from launch parameters alone: 70 us in the parameters' kernel, session 21)
   R2=${U2:-plain::- params_pin::--inputs,params,--pin-readbacks pin::--pin-readbacks \
-      pieces::--inputs,pieces,--readback,pieces} bash "$0" tl ;;
+      pool:SLOTSERVE_HOST_POOL=1:-} bash "$0" tl ;;
 u2b)  # after u2 (~4 min): a wake kernel first; blocks sharing K, plain and decode-ahead
   R2=${U2B:-wake::--wake blocks:SLOTSERVE_GEMV_MMA_BLOCKS=auto:- \
       blocks_ahead:SLOTSERVE_GEMV_MMA_BLOCKS=auto,SLOTSERVE_ARGMAX=1:--ahead} bash "$0" tl
@@ -222,6 +223,7 @@ u3)  # after u2 (~5 min): tokens/s, decode-ahead, blocks sharing K or not, in tu
     --setting one_1:ARGS=--overlap --setting blocks_1:SLOTSERVE_GEMV_MMA_BLOCKS=auto,ARGS=--overlap \
     --setting blocks_2:SLOTSERVE_GEMV_MMA_BLOCKS=auto,ARGS=--overlap --setting one_2:ARGS=--overlap \
     --setting both:SLOTSERVE_GEMV_MMA_BLOCKS=auto,SLOTSERVE_ARGMAX=1,ARGS=--overlap \
+    --setting pool_plain:SLOTSERVE_HOST_POOL=1 --setting plain: \
     > "$OUT/u3_sweep.md" 2>&1; tail -n 16 "$OUT/u3_sweep.md" ;;
 q2)  # MLX, the 0.8B, llama.cpp's build; the tensor-core products' tests and timelines
   source .gpu_b/install-mlx-cuda.sh > "$OUT/q2_install.txt" 2>&1; tail -n 1 "$OUT/q2_install.txt"
