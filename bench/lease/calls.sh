@@ -195,7 +195,8 @@ u2)  # carry .gpu_b .gpu_llama, after l1 (session 22 plan, ~5 min): MLX, the 0.8
   source .gpu_b/install-mlx-cuda.sh > /tmp/u2_install.txt 2>&1; tail -n 1 /tmp/u2_install.txt
   export PYTHONPATH=/tmp/site:$PWD
   LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > /tmp/u2_setup.txt 2>&1
-  taskset -c 11-15 timeout ${TT:-150} python3 -m pytest -q -p no:cacheprovider \
+  # (~40 tests, the tensor-core ones twice now: give them up to 200 s; the timelines ~180)
+  taskset -c 11-15 timeout ${TT:-200} python3 -m pytest -q -p no:cacheprovider \
     tests/test_gemv_prologue_cuda.py tests/test_argmax_cuda.py tests/test_attention_cuda.py \
     tests/test_host_pool_cuda.py -k "tensor_core or argmax or shared_by_blocks or decode or pieces or both" \
     > "$OUT/u2_tests.txt" 2>&1
