@@ -188,17 +188,17 @@ tl)  # timelines at N = 8 of R2's entries, name:SETTING[,SETTING]:ARGS[,ARG] ("-
     echo "== $name"; grep -E "^N=|scatter|gather|copy_v|stack|host_values" "/tmp/tl_$name.md" \
       | cut -c1-150
   done ;;
-u2)  # carry .gpu_b .gpu_llama, after l1 (session 22 plan, ~5 min): MLX, the 0.8B, llama.cpp's
-  # build started; the tensor-core products' GPU tests with blocks sharing K (both
-  # settings); timelines at N = 8: the first kernel's wait with a wake kernel queued first,
-  # and the down product with SLOTSERVE_GEMV_MMA_BLOCKS=auto (14.7 us a launch before)
+u2)  # carry .gpu_b .gpu_llama, after l1 (session 22 plan, ~8 min): MLX, the 0.8B, llama.cpp's
+  # build started; the GPU tests of session 21's kernels (blocks sharing K, argmax, split
+  # attention, the host pool); timelines at N = 8 of the first kernel's wait
   source .gpu_b/install-mlx-cuda.sh > /tmp/u2_install.txt 2>&1; tail -n 1 /tmp/u2_install.txt
   export PYTHONPATH=/tmp/site:$PWD
   LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > /tmp/u2_setup.txt 2>&1
-  # (~40 tests, the tensor-core ones twice now: give them up to 200 s; the timelines ~180)
+  # (26 tests of session 21's kernels, the smallest files first; up to 200 s)
   taskset -c 11-15 timeout ${TT:-200} python3 -m pytest -q -p no:cacheprovider \
-    tests/test_gemv_prologue_cuda.py tests/test_argmax_cuda.py tests/test_attention_cuda.py \
-    tests/test_host_pool_cuda.py -k "tensor_core or argmax or shared_by_blocks or decode or pieces or both" \
+    tests/test_argmax_cuda.py tests/test_host_pool_cuda.py tests/test_attention_cuda.py \
+    tests/test_gemv_prologue_cuda.py \
+    -k "(auto and not rows) or argmax or shared_by_blocks or pieces or both" \
     > "$OUT/u2_tests.txt" 2>&1
   tail -n 3 "$OUT/u2_tests.txt"
   # the first kernel's wait: managed pages the host touched? (gpu_timeline.py's docstring)
