@@ -23,7 +23,8 @@ CH = 4096  # values of a row a block takes
 NT = 256  # threads a block
 
 # (best, at) against (v, i): whether (v, i) wins — greater, or equal at a smaller index
-_SOURCE = """
+_SOURCE = (
+    """
     const long V = x_shape[1];
     const int r = blockIdx.y, nb = gridDim.x;
     const long lo = long(blockIdx.x) * CH;
@@ -54,22 +55,22 @@ _SOURCE = """
             if (wins(wv[w], wi[w], best, at)) { best = wv[w]; at = wi[w]; }
         part[long(r) * nb + blockIdx.x] = best;
         part_at[long(r) * nb + blockIdx.x] = at;
-        __threadfence();  // the block's best visible to every block before its count says so
-        int* count = const_cast<int*>(reinterpret_cast<const int*>(counts)) + r;
-        if (atomicAdd(count, 1) == nb - 1) {  // the row's last block: combine, in block order
-            __threadfence();
-            *count = 0;  // ready for the next launch
-            best = NEG_INF;
-            at = 0;
-            for (int b = 0; b < nb; ++b) {
-                const float v = __ldcg(part + long(r) * nb + b);
-                const unsigned i = __ldcg(part_at + long(r) * nb + b);
-                if (wins(v, i, best, at)) { best = v; at = i; }
-            }
-            out[r] = at;
-        }
     }
 """
+    + cuda.arrival("r", "nb")
+    + """\
+    if (threadIdx.x == 0) {  // the row's last block: the blocks' bests, in block order
+        best = NEG_INF;
+        at = 0;
+        for (int b = 0; b < nb; ++b) {
+            const float v = __ldcg(part + long(r) * nb + b);
+            const unsigned i = __ldcg(part_at + long(r) * nb + b);
+            if (wins(v, i, best, at)) { best = v; at = i; }
+        }
+        out[r] = at;
+    }
+"""
+)
 
 
 def enabled() -> bool:

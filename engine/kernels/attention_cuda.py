@@ -33,7 +33,7 @@ import os
 
 import mlx.core as mx
 
-from engine.kernels.cuda import arrival_counts, cached_kernel, env_flag, switched_on
+from engine.kernels.cuda import arrival, arrival_counts, cached_kernel, env_flag, switched_on
 
 # One head of `proj`'s packed row n from column `col`: RMS-normalised by its norm weight and
 # rotated at position `pos` into `r`, and for a key (`!is_q`) its value head into `vv`; `y`
@@ -178,15 +178,9 @@ _SPLIT_OUT = (
         mine[d] = acc;
     }
     if (threadIdx.x == 0) { mine[D] = mm; mine[D + 1] = ll; }
-    __threadfence();  // this block's state visible to every block before its count says so
-    __syncthreads();
-    __shared__ int is_last;
-    int* count = const_cast<int*>(reinterpret_cast<const int*>(counts)) + rh;
-    if (threadIdx.x == 0) is_last = atomicAdd(count, 1) == parts - 1;
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    if (threadIdx.x == 0) *count = 0;  // ready for the next launch
+"""
+    + arrival("rh", "parts")
+    + """\
     const float* row = part + rh * SPLITS * (D + 2);
     float M = -1e30f, L = 0.0f;
     for (int i = 0; i < parts; ++i) M = fmaxf(M, __ldcg(row + i * (D + 2) + D));

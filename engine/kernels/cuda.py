@@ -93,6 +93,27 @@ def cached_kernel(
     return kernel
 
 
+def arrival(index: str, expected: str) -> str:
+    """CUDA source for kernels whose blocks share a result, after a block has written its
+    share: the block counts its arrival in `counts[index]` (an input, `arrival_counts`) and
+    returns unless it is the last of `expected` blocks to arrive; the last goes on to combine
+    the shares, with the count left at zero for the next launch. Every thread of the block
+    must reach it."""
+    return f"""\
+    __threadfence();  // this block's share visible to every block before its count says so
+    __syncthreads();
+    __shared__ int is_last;
+    if (threadIdx.x == 0) {{
+        int* count = const_cast<int*>(reinterpret_cast<const int*>(counts)) + ({index});
+        is_last = atomicAdd(count, 1) == ({expected}) - 1;
+        if (is_last) *count = 0;  // every block has arrived: ready for the next launch
+    }}
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+"""
+
+
 _counts: dict[int, mx.array] = {}
 
 

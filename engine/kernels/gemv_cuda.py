@@ -25,7 +25,7 @@ import os
 import mlx.core as mx
 
 from engine.gguf import QuantizedWeight, Weight
-from engine.kernels.cuda import arrival_counts, cached_kernel, switched_on
+from engine.kernels.cuda import arrival, arrival_counts, cached_kernel, switched_on
 
 MAX_ROWS = 8  # rows of x a launch takes (its accumulators live in registers)
 _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
@@ -498,9 +498,9 @@ _MMA_BLOCK_RANGE = """\
     const long K_END = K / 32 * long(blockIdx.y + 1) / BS * 32;
 """
 
-_MMA_BLOCK_TAIL = """\
+_MMA_BLOCK_TAIL = (
+    """\
     if (BS > 1) {
-        __shared__ int is_last;
         if (warp == 0) {
             #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -509,14 +509,9 @@ _MMA_BLOCK_TAIL = """\
                 if (r < R && o < N) part[(long(blockIdx.y) * R + r) * N + o] = c[i];
             }
         }
-        __threadfence();  // the sums visible to every block before the count says so
-        __syncthreads();
-        int* count = const_cast<int*>(reinterpret_cast<const int*>(counts)) + blockIdx.x;
-        if (threadIdx.x == 0) is_last = atomicAdd(count, 1) == BS - 1;
-        __syncthreads();
-        if (!is_last) return;
-        __threadfence();
-        if (threadIdx.x == 0) *count = 0;  // ready for the next launch
+"""
+    + arrival("blockIdx.x", "BS")
+    + """\
         if (warp == 0) {
             #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -532,6 +527,7 @@ _MMA_BLOCK_TAIL = """\
         return;
     }
 """
+)
 
 # The group's warps add their sums in the stage (free after the last chunk), in warp order.
 _MMA_TAIL = (
