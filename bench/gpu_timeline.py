@@ -199,14 +199,14 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     from engine.kernels import host_pool
     from engine.kernels.argmax_cuda import argmax_rows
     from engine.models.qwen35 import Model
-    from engine.runner import ModelRunner, Row, StepInputs, last_logits
+    from engine.runner import ModelRunner, Row, last_logits
 
-    made = StepInputs.tokens
-    if args.inputs == "params":  # (bench only: the engine's ids are host-made arrays)
+    made = host_pool.ids
+    if args.inputs == "params":  # (bench only: the engine makes its ids with host_pool.ids)
         from host_values import MAX_VALUES, int32_from_params
 
-        StepInputs.tokens = lambda self, values: (  # type: ignore[method-assign]
-            int32_from_params(values) if len(values) <= MAX_VALUES else made(self, values)
+        host_pool.ids = lambda values: (
+            int32_from_params(values) if len(values) <= MAX_VALUES else made(values)
         )
 
     pinned: list[Any] = []  # --pin-readbacks: every array the host read, alive to the end

@@ -256,7 +256,7 @@ class ModelRunner:
             tok_pos = layout.row_starts[: len(slots)] if pads else layout.row_starts
         else:
             tok_slot, tok_pos = SlotPool.token_coordinates(slots, starts, lengths)
-        inputs = [self.inputs.tokens(tokens), self.inputs.kept(picked)]
+        inputs = [host_pool.ids(tokens), self.inputs.kept(picked)]
         # every position, in order (decode, verify): the forward takes them without a gather
         every = len(picked) == len(tokens) and picked == list(range(len(tokens)))
         _, fn = self._forward_fn(layout, len(picked), past, taps, every)
@@ -926,12 +926,12 @@ def parse_ssm_write(mode: str) -> int | None:
 def step_inputs_on_device() -> bool:
     """Whether decode steps take their starts from the step before, on the device
     (`StepInputs`; SLOTSERVE_STEP_INPUTS, read when a runner is made): "device" (the
-    default since session 20) or "host" (every step's starts written by the host). On the
-    H200 a decode-ahead step of 8 rows with host-written starts spent 465 us in each of its
-    pool's K/V stores (4.5 us in the plain loop), whose positions are those starts: a GPU
-    waiting for pages of managed memory the host writes as it builds the next step
-    (docs/PERFORMANCE.md, session 20; the cure is yet to be timed there). Session 12's
-    tokens/s had "device" level with or ahead of "host" (+3.0% at 8 rows, +0.5% at 64)."""
+    default since session 20) or "host" (every step's starts written by the host): fewer
+    host-written inputs. Session 12's tokens/s had "device" level with or ahead of "host"
+    (+3.0% at 8 rows, +0.5% at 64); session 21's H200 timelines of decode-ahead at 8 rows
+    had 2.14 ms a step with "device", 3.12 with "host" (one run each) and its tokens/s no
+    difference beyond the host's two speeds (docs/PERFORMANCE.md). Session 20's 465 us K/V
+    store, the reason it became the default, came back with neither."""
     return parse_step_inputs(os.environ.get(STEP_INPUTS_ENV, STEP_INPUTS[0]))
 
 
@@ -976,11 +976,6 @@ class StepInputs:
             self.derived += 1
             return after[2]
         return mx.array(starts, dtype=mx.int32)
-
-    def tokens(self, values: list[int]) -> mx.array:
-        """A step's token ids (new every step: made from the host's list; in 8-byte pieces
-        with SLOTSERVE_HOST_POOL=1, `host_pool.ids`)."""
-        return host_pool.ids(values)
 
     def ran(self, slots: Sequence[int], starts: Sequence[int], after: mx.array) -> None:
         """A step of one token a row on `slots` at `starts` was built; `after` (lazy) holds
