@@ -68,20 +68,8 @@
 #     q8_0 matrices quantized (best so far 1.44x plain; the target 1.6x): run both.
 # Session 20 ran one lease: l1, TL=0 q2, q5 (tunings), q5 (staged, both; --ahead), a
 # tokens/s sweep of both, c9 three ways, q4 (SNS=1,8): PERFORMANCE.md "Session 20".
-# Next lease (session 21 plan):
-#  1. l1 (carry .gpu_a .gpu_w; models/slotserve-demo.gguf moved out of the tree, ~50 s).
-#  2. r2 (carry .gpu_b, ~5 min): MLX; the --ahead timeline at N = 8 with host- against
-#     device-made positions (is the store's 465 us gone with "device", the default now?),
-#     the plain loop with ids from pieces or not; r3 (~5 min): the stack tests, two more
-#     timelines, input_faults.py's new modes; r4 (~5 min): tokens/s host vs device.
-#  3. If pieces removed the gather's wait (r2's plain vs pieces timelines, input_faults):
-#     SLOTSERVE_HOST_PIECES=1 in tokens/s (speculation's verify steps write their ids from
-#     the host every round: c9 with and without it), then the default.
-#  4. TL=0 TK="groups" q2 (carry .gpu_b .gpu_llama: llama.cpp's build) — or, with the grouped
-#     stack off for good, the suite (q4, carry .gpu_w) with session 20's defaults.
-#  5. c9 with NS=1 GEN=128 ROUNDS=3 CONFIGS=plain:off,mtp:on,mtp:auto SPEC_ARGS="--dtype bf16"
-#     (the demo model back in the tree): MTP in bf16 over session 17's length.
-# Session 21 ran l1, r2, r3, r4 (bench/results/h200_v28): decode-ahead's store 25-30 us a
+# Session 21 ran l1, r2, r3, r4 (bench/results/h200_v28; r2-r4 in git history at 8278ea1,
+# their pieces switch removed since): decode-ahead's store 25-30 us a
 # launch (not 465), the plain loop's gather still 144 us, pieces moved it into the stack.
 # Session 21's second lease: l1, t2 (tests and timelines of launch-parameter inputs), q4
 # (SNS=1,8,32 TS=480), t4 and MTP runs by hand (t2-t4 are in git history at 8278ea1; the
@@ -152,30 +140,6 @@ f2)  # session 18's last lease (~300 s; after l1): timelines after every change,
     > "$OUT/f2_tests.txt" 2>&1; tail -n 2 "$OUT/f2_tests.txt"
   timeout 40 python3 -m pytest -q -p no:cacheprovider tests/test_batching.py -k "gather or padded" \
     > "$OUT/f2_tests_b.txt" 2>&1; tail -n 2 "$OUT/f2_tests_b.txt" ;;
-r2)  # carry .gpu_b, after l1 (session 20, ~5 min): the decode-ahead store's 465 us at N = 8
-  # (session 20's q5) with host- or device-made positions (the default since session 20),
-  # and the plain loop's 8-row token gather (115-181 us) with ids from pieces or not
-  source .gpu_b/install-mlx-cuda.sh > "$OUT/r2_install.txt" 2>&1; tail -n 1 "$OUT/r2_install.txt"
-  export PYTHONPATH=/tmp/site:$PWD
-  LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > "$OUT/r2_setup.txt" 2>&1  # ~26 s
-  R2=${R2:-host:SLOTSERVE_STEP_INPUTS=host:--ahead device::--ahead plain::- \
-      pieces:SLOTSERVE_HOST_PIECES=1:-} bash "$0" tl ;;
-r3)  # after r2 (~5 min): the stack file's GPU tests (pieces, the second grouped stack), two
-  # more timelines, input_faults with its new modes
-  export PYTHONPATH=/tmp/site:$PWD
-  timeout ${TT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_swiglu_stack_cuda.py \
-    > "$OUT/r3_tests.txt" 2>&1; tail -n 3 "$OUT/r3_tests.txt"
-  R2=${R3:-pieces_ahead:SLOTSERVE_HOST_PIECES=1:--ahead groups:SLOTSERVE_STACK_GROUPS=1:-} \
-    bash "$0" tl
-  taskset -c 0-7 timeout 90 python3 bench/input_faults.py --rows 1,8,64 --evals 200 \
-    --json "$OUT/r3_faults.json" > "$OUT/r3_faults.md" 2>&1; tail -n 16 "$OUT/r3_faults.md" ;;
-r4)  # after r3 (~5 min): tokens/s, decode-ahead, host vs device positions, in turn
-  export PYTHONPATH=/tmp/site:$PWD
-  taskset -c 0-7 timeout 300 python3 bench/mlx_env_sweep.py --model-dir $M --preset qwen3.5-0.8b \
-    --quant f16 --gen 32 --n 8,32 --json "$OUT/r4_sweep.json" \
-    --setting host_1:SLOTSERVE_STEP_INPUTS=host,ARGS=--overlap --setting device_1:ARGS=--overlap \
-    --setting device_2:ARGS=--overlap --setting host_2:SLOTSERVE_STEP_INPUTS=host,ARGS=--overlap \
-    > "$OUT/r4_sweep.md" 2>&1; tail -n 12 "$OUT/r4_sweep.md" ;;
 tl)  # timelines at N = 8 of R2's entries, name:SETTING[,SETTING]:ARGS[,ARG] ("-": the plain loop)
   export PYTHONPATH=/tmp/site:$PWD
   for v in $R2; do
