@@ -201,9 +201,10 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     from engine.models.qwen35 import Model
     from engine.runner import ModelRunner, Row, last_logits
 
-    made = host_pool.ids
     if args.inputs == "params":  # (bench only: the engine makes its ids with host_pool.ids)
         from host_values import MAX_VALUES, int32_from_params
+
+        made = host_pool.ids
 
         host_pool.ids = lambda values: (
             int32_from_params(values) if len(values) <= MAX_VALUES else made(values)
