@@ -322,9 +322,10 @@ class SlotPool:
         lin = [s for s in new if isinstance(s, LinearState)]
         packed = [s.packed or (layout.to_packed(s.k), layout.to_packed(s.v)) for s in attn]
         groups = [[k for k, _ in packed], [v for _, v in packed], [s.conv for s in lin]]
+        stacked = [stack_cuda.stack(g) for g in groups]
         if ssm_layers:
-            return [*stack_cuda.stack_groups(groups), *(s.ssm[None] for s in lin)]
-        return stack_cuda.stack_groups([*groups, [s.ssm for s in lin]])
+            return [*stacked, *(s.ssm[None] for s in lin)]
+        return [*stacked, stack_cuda.stack([s.ssm for s in lin])]
 
     def commit(
         self,

@@ -19,7 +19,6 @@ from engine.kernels import (
     gdn_mixer_cuda,
     gemv_cuda,
     host_pool,
-    stack_cuda,
 )
 
 PREFIX = "SLOTSERVE_"
@@ -41,7 +40,6 @@ CHECKS: dict[str, Callable[[str], object]] = {
     gdn_mixer_cuda.WARPS_ENV: gdn_mixer_cuda.fixed_warps,
     attention_cuda.DECODE_ENV: _one_of(attention_cuda.DECODE_ENV, cuda.ON_OFF),
     attention_cuda.SPLIT_ENV: _one_of(attention_cuda.SPLIT_ENV, attention_cuda.SPLIT_CHUNKS),
-    stack_cuda.GROUPS_ENV: _one_of(stack_cuda.GROUPS_ENV, cuda.ON_OFF),
     argmax_cuda.ENV: _one_of(argmax_cuda.ENV, cuda.ON_OFF),
     host_pool.ENV: _one_of(host_pool.ENV, cuda.ON_OFF),
     runner.SSM_WRITE_ENV: runner.parse_ssm_write,

@@ -31,7 +31,6 @@ OTHER_SIDES = {
     "SLOTSERVE_ATTENTION_DECODE": "0",
     "SLOTSERVE_FUSED_GEMV_DENSE": "mma",
     "SLOTSERVE_GEMV_MMA_DIRECT": "0",
-    "SLOTSERVE_STACK_GROUPS": "1",
 }
 
 
@@ -49,7 +48,7 @@ def test_every_kernel_the_models_meet_compiles(switches: dict[str, str]) -> None
     families = {line.split()[1].rsplit("_", 1)[0] for line in compiled}
     # every kernel family the engine has, each met by the tiny models' steps
     want = {"add_rms_norm", "attention", "embed", "gdn_mixer", "gemv", "gemv_mma", "gemv_staged"}
-    want |= {"stack", "swiglu", "take"} if not switches else {"stack_groups", "swiglu", "take"}
+    want |= {"stack", "swiglu", "take"}
     assert {f"slotserve_{f}" for f in want} <= families, families
     # each side's own variants were built: the decode attention kernel (rotation and keys a
     # block: ROPE_DIM and U) and tensor-core products that make x in the product (DIRECT=1)

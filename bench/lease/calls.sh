@@ -217,8 +217,7 @@ q5)  # the tensor-core products' tunings: kernel times, registers, occupancy at 
   # (each timeline ~40-60 s with its kernels' builds: nine overrun one call — pass Q5 subsets)
   for v in ${Q5:-base: u2:SLOTSERVE_GEMV_MMA_UNROLL=2 u8:SLOTSERVE_GEMV_MMA_UNROLL=8 \
       s8:SLOTSERVE_GEMV_STAGED_SPLIT=8 s16:SLOTSERVE_GEMV_STAGED_SPLIT=16 staged:SLOTSERVE_GEMV_MMA_DIRECT=0 \
-      attn1:SLOTSERVE_ATTENTION_DECODE=1 groups:SLOTSERVE_STACK_GROUPS=1 \
-      both:SLOTSERVE_ATTENTION_DECODE=1,SLOTSERVE_STACK_GROUPS=1}; do
+      attn0:SLOTSERVE_ATTENTION_DECODE=0}; do
     name=${v%%:*}; setting=${v#*:}
     env ${setting//,/ } timeout 90 python3 bench/gpu_timeline.py --model-dir $M --n 8 \
       --json "$OUT/q5_tl_$name.json" --trace-dir /tmp/trace > "$OUT/q5_tl_$name.md" 2>&1

@@ -17,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from engine.kernels.cuda import cached_kernel, env_flag, switched_on
+from engine.kernels.cuda import cached_kernel, switched_on
 
 _PICK = """    const int k = blockIdx.y;
     const T* src = nullptr;
@@ -84,118 +84,6 @@ def stack(arrays: list[mx.array]) -> mx.array:
         output_dtypes=[first.dtype],
     )
     return out
-
-
-GROUPS_ENV = "SLOTSERVE_STACK_GROUPS"
-
-# Several stacks in one launch (`stack_groups`): a step's K, V, conv and recurrent states
-# were four launches. Group g's inputs are `a{FIRST[g]}` on, all of one shape and of dtype
-# `T{g}` (a template argument: MLX names a compiled kernel by those, so each mix of dtypes
-# gets its own code); each thread copies 16 bytes. Blocks are dealt out input by input —
-# group g's inputs `blocks[g]` blocks each, the groups' runs of blocks end to end — so a
-# block finds its input from a few numbers every thread of it shares, and no block idles
-# (a grid row per input would leave the small inputs' rows all but empty). The first form
-# divided 64-bit piece counts in every thread and took 237 us of an 8-row 0.8B step where
-# the four stacks take ~83 (H200, session 20).
-_GROUPS_SOURCE = """
-    constexpr int B = 256;  // threads a block (the launch's)
-    unsigned blocks[NG], start[NG + 1];  // blocks an input of each group; each group's first
-    long per[NG];  // 16-byte pieces an input of each group (from its first input's shape)
-    start[0] = 0;
-{sizes}
-    const unsigned b = blockIdx.x;
-    if (b >= start[NG]) return;
-    int g = 0;
-    while (b >= start[g + 1]) ++g;
-    const unsigned local = b - start[g];
-    const unsigned within = local / blocks[g];  // the input, within its group
-    const long piece = long(local - within * blocks[g]) * B + threadIdx.x;
-    if (piece >= per[g]) return;
-    const unsigned char* src = nullptr;
-    switch (FIRST[g] + int(within)) {{
-{inputs}
-    }}
-    unsigned char* dst = nullptr;
-    switch (g) {{
-{outputs}
-    }}
-    src += piece * 16;
-    dst += (long(within) * per[g] + piece) * 16;
-    if ((reinterpret_cast<unsigned long long>(src) | reinterpret_cast<unsigned long long>(dst))
-            % 16 == 0) {{
-        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-    }} else {{
-        #pragma unroll
-        for (int j = 0; j < 16; ++j) dst[j] = src[j];
-    }}
-"""
-
-
-def groups_on() -> bool:
-    """Whether `stack_groups` makes its stacks in one launch (SLOTSERVE_STACK_GROUPS: "0",
-    the default, or "1"). Off: on the H200 (session 20) its first form took 237 us of an
-    8-row 0.8B step where the four stacks it replaces took ~83, more than three launches'
-    ~35 us of host time save; the form now (blocks dealt out input by input, no 64-bit
-    division a thread) has not run on a GPU."""
-    return env_flag(GROUPS_ENV) and enabled()
-
-
-def stack_groups(groups: Sequence[Sequence[mx.array]]) -> list[mx.array]:
-    """`[stack(g) for g in groups]`, in one launch on CUDA (`groups_on`) where every group is
-    of one shape and dtype, each input whole 16-byte pieces, and all of them fit one
-    launch's `MAX_INPUTS`."""
-    flat = [a for g in groups for a in g]
-    if not (
-        groups_on()
-        and len(groups) >= 2
-        and all(g for g in groups)
-        and len(flat) <= MAX_INPUTS
-        and all(a.shape == g[0].shape and a.dtype == g[0].dtype for g in groups for a in g)
-        and all(g[0].nbytes % 16 == 0 and g[0].size > 0 for g in groups)
-    ):
-        return [stack(list(g)) for g in groups]
-    firsts = [0]
-    for g in groups[:-1]:
-        firsts.append(firsts[-1] + len(g))
-    counts = [len(g) for g in groups]
-    sizes = []
-    for i, (f, n) in enumerate(zip(firsts, counts, strict=True)):
-        sizes += [
-            f"    {{ long e = 1; for (int d = 0; d < a{f}_ndim; ++d) e *= a{f}_shape[d];",
-            f"      per[{i}] = e * long(sizeof(T{i})) / 16;",
-            f"      blocks[{i}] = unsigned((per[{i}] + B - 1) / B);",
-            f"      start[{i + 1}] = start[{i}] + {n}u * blocks[{i}]; }}",
-        ]
-    head = [
-        f"    constexpr int NG = {len(groups)};",
-        f"    constexpr int FIRST[NG] = {{{', '.join(map(str, firsts))}}};",
-    ]
-    inputs = "\n".join(
-        f"        case {k}: src = reinterpret_cast<const unsigned char*>(a{k}); break;"
-        for k in range(len(flat))
-    )
-    outputs = "\n".join(
-        f"        case {i}: dst = reinterpret_cast<unsigned char*>(out{i}); break;"
-        for i in range(len(groups))
-    )
-    source = "\n".join(head) + _GROUPS_SOURCE.format(
-        sizes="\n".join(sizes), inputs=inputs, outputs=outputs
-    )
-    names = [f"a{k}" for k in range(len(flat))]
-    outs = [f"out{i}" for i in range(len(groups))]
-    kernel = cached_kernel("stack_groups", ",".join(map(str, counts)), names, outs, source)
-    block = 256  # (the kernel's B)
-    blocks = sum(n * -(-g[0].nbytes // 16 // block) for n, g in zip(counts, groups, strict=True))
-    return list(
-        kernel(
-            inputs=flat,
-            template=[(f"T{i}", g[0].dtype) for i, g in enumerate(groups)],
-            grid=(blocks * block, 1, 1),
-            threadgroup=(block, 1, 1),
-            output_shapes=[(len(g), *g[0].shape) for g in groups],
-            output_dtypes=[g[0].dtype for g in groups],
-        )
-    )
 
 
 # Each thread copies V consecutive elements of one entry (V = 16 bytes' worth where an entry
