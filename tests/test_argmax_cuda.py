@@ -1,6 +1,6 @@
 """Each row's argmax by many blocks a row (`argmax_cuda`, SLOTSERVE_ARGMAX=1) against MLX's,
 on MLX's CUDA backend only: every row count and dtype, ties (the first index), rows of
--inf, widths that leave a last block part-filled, launch after launch (each leaves its
+-inf, NaN (the first wins, as in MLX's), widths that leave a last block part-filled, launch after launch (each leaves its
 arrival counts at zero for the next)."""
 
 from __future__ import annotations
@@ -35,11 +35,21 @@ def test_argmax_rows_is_mlx_s(dtype: mx.Dtype, V: int) -> None:
         assert got.tolist() == mx.argmax(logits, axis=-1).tolist(), (R, V)
 
 
-def test_nan_is_never_the_argmax_as_with_mlx() -> None:
-    x = np.zeros((3, 9000), dtype=np.float32)
-    x[0, :5] = np.nan
+def test_the_first_nan_is_the_argmax_as_with_mlx() -> None:
+    x = np.zeros((6, 9000), dtype=np.float32)
+    x[0, :5] = np.nan  # NaNs at the start: the first
     x[1, 7000] = 1.0
-    x[1, 100] = np.nan
+    x[1, 100] = np.nan  # a NaN below a greater value's index
     x[2, :] = np.nan
-    logits = mx.array(x)
-    assert argmax_cuda.argmax_rows(logits).tolist() == mx.argmax(logits, axis=-1).tolist()
+    x[3, 3] = np.inf
+    x[3, 8000] = np.nan  # NaN above +inf, in a later block
+    x[4, :] = -np.inf
+    x[4, 6000] = np.nan
+    x[5, 10] = 5.0
+    x[5, 4099] = x[5, 4100] = np.nan  # two NaNs in two blocks: the first
+    want = [0, 100, 0, 8000, 6000, 4099]
+    assert np.argmax(x, axis=-1).tolist() == want
+    for dtype in (mx.float32, mx.bfloat16, mx.float16):
+        logits = mx.array(x).astype(dtype)
+        assert mx.argmax(logits, axis=-1).tolist() == want
+        assert argmax_cuda.argmax_rows(logits).tolist() == want, dtype

@@ -8,8 +8,10 @@ blocks a row); each block writes its best (value, index) to `part`, and the last
 a row to arrive (an arrival count a row, `cuda.arrival_counts`, reset by it) combines the
 row's in block order.
 
-MLX's argmax exactly: a value wins over an earlier best only when greater (`>`), so the
-first index wins ties and NaN never wins; a row with no value above -inf gives 0.
+MLX's argmax exactly (its CUDA and CPU backends, as numpy's): NaN ranks above every number,
+so a row's first NaN is its argmax; otherwise the greatest value, the first index of equals;
+a row of -inf gives 0. (Session 21 had it that NaN never wins; on the H200 MLX's first NaN
+won, session 22.)
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ ENV = "SLOTSERVE_ARGMAX"
 CH = 4096  # values of a row a block takes
 NT = 256  # threads a block
 
-# (best, at) against (v, i): whether (v, i) wins — greater, or equal at a smaller index
+# (best, at) against (v, i): whether (v, i) wins — NaN above every number, then greater,
+# then equal at a smaller index
 _SOURCE = (
     """
     const long V = x_shape[1];
@@ -30,14 +33,15 @@ _SOURCE = (
     const long lo = long(blockIdx.x) * CH;
     const long hi = lo + CH < V ? lo + CH : V;
     auto wins = [](float v, unsigned i, float best, unsigned at) {
-        return v > best || (v == best && i < at);
+        if (isnan(best)) return isnan(v) && i < at;
+        return isnan(v) || v > best || (v == best && i < at);
     };
     const float NEG_INF = __int_as_float(0xff800000);
     float best = NEG_INF;
     unsigned at = unsigned(lo);
     for (long i = lo + threadIdx.x; i < hi; i += NT) {  // in order: the first of equals kept
         const float v = static_cast<float>(x[long(r) * V + i]);
-        if (v > best) { best = v; at = unsigned(i); }
+        if (wins(v, unsigned(i), best, at)) { best = v; at = unsigned(i); }
     }
     #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
