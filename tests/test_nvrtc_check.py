@@ -164,13 +164,13 @@ def test_blocks_share_k_of_a_narrow_direct_product(monkeypatch: pytest.MonkeyPat
     """SLOTSERVE_GEMV_MMA_BLOCKS=auto: the 0.8B's down projection (1,024 x 3,584, 8 warps a
     column group) has its K shared by 2 blocks — chosen from the shape alone, the same at
     every row count — and that kernel compiles (the GPU test runs it: tests/
-    test_gemv_prologue_cuda.py); wide products and the default ("1") keep one block."""
+    test_gemv_prologue_cuda.py); wide products, and every product under "1", keep one block."""
     from engine.kernels import gemv_cuda
 
-    monkeypatch.delenv(gemv_cuda.MMA_BLOCKS_ENV, raising=False)
-    assert gemv_cuda.mma_blocks(1024, 3584, 8) == 1  # off by default
-    monkeypatch.setenv(gemv_cuda.MMA_BLOCKS_ENV, "auto")
-    assert gemv_cuda.mma_blocks(1024, 3584, 8) == 2
+    monkeypatch.setenv(gemv_cuda.MMA_BLOCKS_ENV, "1")
+    assert gemv_cuda.mma_blocks(1024, 3584, 8) == 1
+    monkeypatch.delenv(gemv_cuda.MMA_BLOCKS_ENV)
+    assert gemv_cuda.mma_blocks(1024, 3584, 8) == 2  # "auto", the default since session 22
     assert gemv_cuda.mma_blocks(7168, 1024, 4) == 1  # gate|up: 1,792 warps already
     assert gemv_cuda.mma_blocks(1024, 512, 2) == 2  # until a warp would keep < 4 rounds
     assert gemv_cuda.mma_blocks(256, 4096, 8) == 4
@@ -212,8 +212,8 @@ def test_decode_attention_with_keys_shared_by_blocks_compiles(
     chunk: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SLOTSERVE_ATTENTION_SPLIT=64: a decode row's keys shared by blocks of 64 (the 0.8B's
-    heads, a past of 300: 5 blocks a row and head, from the shape alone) compiles; "0", the
-    default, builds the one-block kernel. (The GPU tests compare both with the portable
+    heads, a past of 300: 5 blocks a row and head, from the shape alone) compiles; "0" builds
+    the one-block kernel. (128, the default, is the same kernel with another chunk.) (The GPU tests compare both with the portable
     path: tests/test_attention_cuda.py.)"""
     from engine.kernels import attention_cuda
 

@@ -1,12 +1,13 @@
 """A step's token ids to the GPU and back through MLX's small-block pool
-(SLOTSERVE_HOST_POOL=1; off until the H200 has timed it).
+(SLOTSERVE_HOST_POOL: on by default since session 22; "0" for plain arrays).
 
 MLX's CUDA backend keeps host-made arrays, and device arrays once the host has read them, in
 managed memory, and its buffer cache hands a freed buffer to the next request of its size
 whatever memory it is. A kernel that touches a page the host touched last waits for it to
-move: in 8-row decode steps on the H200 the step's first kernel took 70-144 us (session 21;
-docs/PERFORMANCE.md — the cause is a hypothesis that `bench/gpu_timeline.py --inputs params
---pin-readbacks` tests). Arrays of 8 bytes or fewer come from a pool of their own that the
+move: in 8-row decode steps on the H200 the step's first kernel took 70-144 us (session 21).
+With this path on, that wait was gone: no slow kernel, 1.69 against 1.79 ms of kernels and
+3.09 against 3.44 ms a step (session 22, docs/PERFORMANCE.md; the cause remains a
+hypothesis this agrees with). Arrays of 8 bytes or fewer come from a pool of their own that the
 GPU maps where it lies and that never feeds the general cache; one row's ids (4 bytes)
 never waited. So, with the switch on, both ways in 8-byte pieces:
 
@@ -31,9 +32,9 @@ MAX_VALUES = 64
 
 
 def enabled() -> bool:
-    """Whether step ids go both ways in 8-byte pieces: SLOTSERVE_HOST_POOL=1 on MLX's CUDA
-    backend (read at the call: tools and tests replace `cuda.available`)."""
-    return cuda.env_flag(ENV) and cuda.available()
+    """Whether step ids go both ways in 8-byte pieces: on MLX's CUDA backend unless
+    SLOTSERVE_HOST_POOL=0 (read at the call: tools and tests replace `cuda.available`)."""
+    return cuda.env_flag(ENV, "1") and cuda.available()
 
 
 def _pieces(n: int) -> int:
