@@ -64,6 +64,25 @@ def test_mlx_lm_matches_ours_on_converted_weights(
         assert_close(a, b)
 
 
+def test_mlx_lm_prefills_in_pieces_as_at_once(
+    make_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The peer prefills a long prompt in pieces of `PREFILL_STEP` (8 prompts of 4,096 at
+    once ran the H200 out of memory): the same logits as one forward, at a piece length
+    that leaves a short last piece and at one that divides the prompt."""
+    path = make_model("tiny", quant="f32")
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(0, 500, 13)] for _ in range(2)]
+    whole = MlxLm(path)
+    whole.start(2, 32)
+    want = whole.prefill(prompts)
+    for step in (5, 4, 1):
+        monkeypatch.setattr(MlxLm, "PREFILL_STEP", step)
+        pieces = MlxLm(path)
+        pieces.start(2, 32)
+        np.testing.assert_allclose(pieces.prefill(prompts), want, rtol=1e-4, atol=1e-4)
+
+
 def test_quantized_matrices_stay_quantized(make_model: Callable[..., Path], tmp_path: Path) -> None:
     import mlx.core as mx
 
