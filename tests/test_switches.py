@@ -91,3 +91,25 @@ def test_the_tensor_core_kernel_takes_at_most_8_warps_a_split(
     assert gemv_cuda.staged_split(1024, 4) == 16
     monkeypatch.setenv(gemv_cuda.STAGED_SPLIT_ENV, "4")
     assert gemv_cuda.staged_split(1024, gemv_cuda.MMA_OUTS, 3584, mma=True) == 4
+
+
+def test_the_fast_environment_read_sees_every_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cuda.env` (what the kernels' switches read, ~500 times a step) answers as
+    `os.environ.get` does after each way a test or tool changes the environment."""
+    import os
+
+    from engine.kernels import cuda
+
+    name = "SLOTSERVE_TEST_FAST_ENV"
+    monkeypatch.delenv(name, raising=False)
+    assert cuda.env(name, "dflt") == "dflt"
+    monkeypatch.setenv(name, "auto")
+    assert cuda.env(name, "dflt") == "auto"
+    os.environ[name] = "é, not ascii"
+    assert cuda.env(name, "dflt") == os.environ.get(name) == "é, not ascii"
+    os.environ.update({name: "2"})
+    assert cuda.env(name, "dflt") == "2"
+    del os.environ[name]
+    assert cuda.env(name, "dflt") == "dflt"
+    monkeypatch.setenv(name, "")
+    assert cuda.env(name, "dflt") == ""

@@ -29,11 +29,16 @@ Numerics: f32 arithmetic throughout; tests compare with the portable path.
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 
-from engine.kernels.cuda import arrival, arrival_counts, cached_kernel, env_flag, switched_on
+from engine.kernels.cuda import (
+    arrival,
+    arrival_counts,
+    cached_kernel,
+    env,
+    env_flag,
+    switched_on,
+)
 
 # One head of `proj`'s packed row n from column `col`: RMS-normalised by its norm weight and
 # rotated at position `pos` into `r`, and for a key (`!is_q`) its value head into `vv`; `y`
@@ -390,7 +395,7 @@ def split_chunk() -> int:
     at a 4,096-key context a 0.8B layer's decode attention took 48.5 against 354.8 us at
     one row, 128.4 against 355.0 at eight; or 64, 256, or "0": one block a row and head,
     whatever its keys). A row of at most that many keys is computed as unsplit, bit for bit."""
-    value = os.environ.get(SPLIT_ENV, SPLIT_DEFAULT)
+    value = env(SPLIT_ENV, SPLIT_DEFAULT)
     if value not in SPLIT_CHUNKS:
         raise ValueError(f"{SPLIT_ENV}={value!r}: one of {', '.join(SPLIT_CHUNKS)}")
     return int(value)

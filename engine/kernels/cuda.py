@@ -31,15 +31,34 @@ def available() -> bool:
 
 FUSED = ("GDN", "ATTENTION", "ADD_NORM", "SWIGLU", "STACK", "EMBED", "GEMV", "GEMV_PROLOGUE")
 """The fused paths `SLOTSERVE_FUSED_<name>=0` switches off (each "1" by default)."""
+_FUSED_ENV = {name: f"SLOTSERVE_FUSED_{name}" for name in FUSED}
 
 
 ON_OFF = ("1", "0")
+
+# The bytes-keyed dict os.environ keeps current (CPython on POSIX: every os.environ write,
+# monkeypatch's included, goes through it), or None where there is none.
+_ENVIRON = getattr(os.environ, "_data", None) if os.name == "posix" else None
+_ENV_KEYS: dict[str, bytes] = {}
+
+
+def env(name: str, default: str) -> str:
+    """`os.environ.get(name, default)`, as current, at a thirtieth of its cost: a decode step
+    reads its switches ~500 times (every product, norm and mixer asks at its call, so tests
+    and tools may flip them between calls), ~1 us each through `os.environ`'s mapping layer."""
+    if _ENVIRON is None:
+        return os.environ.get(name, default)
+    key = _ENV_KEYS.get(name)
+    if key is None:
+        key = _ENV_KEYS[name] = os.fsencode(name)
+    value = _ENVIRON.get(key)
+    return default if value is None else os.fsdecode(value)
 
 
 def env_flag(name: str, default: str = "0") -> bool:
     """A switch that is on where the environment sets it to "1", off where "0", `default`
     where unset; anything else raises, naming it."""
-    value = os.environ.get(name, default)
+    value = env(name, default)
     if value not in ON_OFF:
         raise ValueError(f"{name}={value!r}: one of {', '.join(ON_OFF)}")
     return value == "1"
@@ -48,7 +67,7 @@ def env_flag(name: str, default: str = "0") -> bool:
 def switched_on(name: str) -> bool:
     """Whether a fused path runs: on MLX's CUDA backend, unless `SLOTSERVE_FUSED_<name>=0`
     asks for the portable ops (read at each call: tests flip it between models)."""
-    return available() and os.environ.get(f"SLOTSERVE_FUSED_{name}", "1") != "0"
+    return available() and env(_FUSED_ENV[name], "1") != "0"
 
 
 def kernel_name(family: str, inputs: list[str], outputs: list[str], source: str) -> str:

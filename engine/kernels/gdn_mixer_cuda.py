@@ -25,11 +25,10 @@ the conv taps); tests compare the two on the GPU.
 from __future__ import annotations
 
 import functools
-import os
 
 import mlx.core as mx
 
-from engine.kernels.cuda import cached_kernel, switched_on
+from engine.kernels.cuda import cached_kernel, env, switched_on
 
 _SOURCE = """
     constexpr int CQ = HK * DK;
@@ -276,7 +275,7 @@ def warps(blocks: int, dv: int) -> int:
     count where `dv` allows (benchmarks). Not 32: 1,024 threads of some of the kernel's
     variants ask for more registers than a multiprocessor has (on the H200 the launch of
     128-row heads failed, "too many resources requested", session 18)."""
-    fixed = fixed_warps(os.environ.get(WARPS_ENV, ""))
+    fixed = fixed_warps(env(WARPS_ENV, ""))
     nw = fixed or (16 if blocks <= FEW_BLOCKS else 8)
     while dv % nw:  # (powers of two: halving ends at 1, which divides anything)
         nw //= 2

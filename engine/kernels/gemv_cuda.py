@@ -20,12 +20,10 @@ kernel above (docs/PERFORMANCE.md, session 19).
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 
 from engine.gguf import QuantizedWeight, Weight
-from engine.kernels.cuda import arrival, arrival_counts, cached_kernel, switched_on
+from engine.kernels.cuda import arrival, arrival_counts, cached_kernel, env, switched_on
 
 MAX_ROWS = 8  # rows of x a launch takes (its accumulators live in registers)
 _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
@@ -628,7 +626,7 @@ def prologue_enabled() -> bool:
     SLOTSERVE_FUSED_GEMV_PROLOGUE=0. A small decode step is bound by the host's launches, one
     per graph node, so two nodes made one pay even where MLX's gemv reads float weights as
     fast as this kernel."""
-    return enabled() and os.environ.get("SLOTSERVE_FUSED_GEMV_PROLOGUE", "1") != "0"
+    return enabled() and env("SLOTSERVE_FUSED_GEMV_PROLOGUE", "1") != "0"
 
 
 def _fits(rows: int, K: int, dtype: mx.Dtype, w: Weight) -> bool:
@@ -864,7 +862,7 @@ def prologue_quantized(value: str | None = None) -> list[str]:
     """The prologue kinds SLOTSERVE_GEMV_PROLOGUE_QUANTIZED names (comma-separated, each one
     of `PROLOGUES`; none by default), from `value` or the environment."""
     if value is None:
-        value = os.environ.get(PROLOGUE_QUANTIZED_ENV, "")
+        value = env(PROLOGUE_QUANTIZED_ENV, "")
     kinds = [k for k in value.split(",") if k]
     bad = [k for k in kinds if k not in PROLOGUES]
     if bad:
@@ -877,7 +875,7 @@ def prologue_quantized(value: str | None = None) -> list[str]:
 def _env_choice(name: str, choices: tuple[str, ...], default: str | None = None) -> str:
     """The environment variable `name`, one of `choices` (unset: `default`, else the first);
     anything else raises, naming the variable."""
-    value = os.environ.get(name, choices[0] if default is None else default)
+    value = env(name, choices[0] if default is None else default)
     if value not in choices:
         raise ValueError(f"{name}={value!r}: one of {', '.join(choices)}")
     return value
