@@ -8,7 +8,12 @@ kernels by family, MLX's own operations (cuBLAS products, gathers, copies, views
 primitive. The stand-ins' own nodes (`Full`, `Broadcast`, `Depends`) are not counted. It
 counts what the graph holds, not what any of it costs.
 
-    python bench/graph_nodes.py [--preset qwen3.5-0.8b] [--n 1,8] [--json OUT]
+`--time K`: also the host's time to build that step's graph (inputs, every op and kernel
+call, the stand-ins' own few ops included), K times unevaluated: median and best ms. On a
+GPU the host builds the same graph before the kernels launch, so the same Python runs;
+this machine's CPU sets the scale (the H200's host was ~8x faster, session 22).
+
+    python bench/graph_nodes.py [--preset qwen3.5-0.8b] [--n 1,8] [--time 40] [--json OUT]
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ import argparse
 import collections
 import json
 import re
+import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -59,8 +66,9 @@ def kernels_stood_in(calls: list[str]) -> Iterator[None]:
         yield
 
 
-def count(path: Path, dtype: mx.Dtype, n: int) -> dict[str, Any]:
-    """One decode step of `n` rows at start 0: our kernels by family, MLX's nodes by kind."""
+def count(path: Path, dtype: mx.Dtype, n: int, times: int = 0) -> dict[str, Any]:
+    """One decode step of `n` rows at start 0: our kernels by family, MLX's nodes by kind;
+    with `times`, the host's ms to build it (median, best of that many builds)."""
     from engine.cache import SlotPool
     from engine.gguf import GGUFFile
     from engine.models.qwen35 import Model
@@ -79,12 +87,23 @@ def count(path: Path, dtype: mx.Dtype, n: int) -> dict[str, Any]:
             dot = Path(tmp) / "step.dot"
             mx.export_to_dot(str(dot), logits, *new, after)
             labels = re.findall(r'label ?= ?"?([A-Za-z_]+)', dot.read_text())
+        kernels = collections.Counter(calls)
+        build_s = []
+        for _ in range(times):
+            t = time.perf_counter()
+            runner._decode_forward(slots, [0] * n, tokens)
+            build_s.append(time.perf_counter() - t)
     ops = collections.Counter(x for x in labels if x not in STAND_INS)
-    return {
+    timed = (
+        {"build_ms": 1e3 * statistics.median(build_s), "build_ms_best": 1e3 * min(build_s)}
+        if build_s
+        else {}
+    )
+    return timed | {
         "n": n,
-        "kernels": dict(collections.Counter(calls).most_common()),
+        "kernels": dict(kernels.most_common()),
         "mlx_ops": dict(ops.most_common()),
-        "kernel_calls": len(calls),
+        "kernel_calls": kernels.total(),
         "mlx_nodes": sum(ops.values()),
     }
 
@@ -93,9 +112,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_model_args(p, n="1,8")
     p.add_argument("--json")
+    p.add_argument("--time", type=int, default=0, metavar="K", help="builds to time a N")
     args = p.parse_args(argv)
     path = ensure_model(args.preset, args.quant, Path(args.model_dir))
-    results = [count(path, DTYPES[args.dtype], n) for n in args.n]
+    results = [count(path, DTYPES[args.dtype], n, args.time) for n in args.n]
     print(f"{path.name}, {args.dtype}, a decode step on the CUDA path (kernels stood in for)")
     print("| N | our kernels | MLX nodes | kernels by family | MLX nodes by kind |")
     print("|---|---|---|---|---|")
@@ -103,6 +123,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         fams = ", ".join(f"{k} {v}" for k, v in r["kernels"].items())
         kinds = ", ".join(f"{k} {v}" for k, v in r["mlx_ops"].items())
         print(f"| {r['n']} | {r['kernel_calls']} | {r['mlx_nodes']} | {fams} | {kinds} |")
+    if args.time:
+        print(f"\nthe host's build of the step, ms ({args.time} builds a N, unevaluated):")
+        print("| N | median | best |\n|---|---|---|")
+        for r in results:
+            print(f"| {r['n']} | {r['build_ms']:.3f} | {r['build_ms_best']:.3f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     sys.stdout.flush()

@@ -27,4 +27,7 @@ def test_a_decode_step_is_counted_by_kernel_family_and_mlx_node(
         assert r["kernel_calls"] == sum(r["kernels"].values())
         assert not STAND_INS & set(r["mlx_ops"]) and r["mlx_ops"]["Matmul"] >= 1
     assert "gemv" in one["kernels"] and "gemv_mma" in eight["kernels"]  # one row vs 2-8
+    timed = count(path, mx.bfloat16, 8, times=3)  # --time: the host's build, unevaluated
+    assert 0 < timed["build_ms_best"] <= timed["build_ms"]
+    assert {k: v for k, v in timed.items() if not k.startswith("build")} == eight
     assert not cuda.available()  # the stand-ins are gone afterwards

@@ -94,6 +94,20 @@
 # If params_pin lost the wait: build read-backs and small inputs through MLX's small-block
 # pool (8-byte arrays, which the GPU maps where they lie) or otherwise out of the general
 # buffer cache, in the engine.
+# Session 22 ran l1, u2, u2b, a tokens/s sweep by hand (u3's settings plus the pool), q4 with
+# all four switches (SNS=1,8; the 4,096-token suite stopped in mlx-lm's prefill: fixed
+# since), another sweep at N = 8: PERFORMANCE.md "Session 22" (bench/results/h200_v29).
+# Next lease (session 23 plan, ~25 min; the defaults are now split 128, blocks auto, pool on):
+#  1. l1 (carry .gpu_a .gpu_w; models/slotserve-demo.gguf out of the tree).
+#  2. v2 (carry .gpu_b .gpu_llama, ~6 min): MLX, the 0.8B, llama.cpp's build; the argmax
+#     tests (its NaN fix) and the tensor-core / attention / pool tests under the defaults;
+#     timelines at N = 8: the defaults, plain and decode-ahead, and decode-ahead with
+#     session 21's defaults (is decode-ahead's copy_v wait, 4 x 35 us, gone with the pool?).
+#  3. v3 (~5 min): tokens/s, decode-ahead, session 21's defaults (old) against today's
+#     (new) and today's + argmax, alternated three times, N = 8, 32 — the host's two speeds
+#     need pairs.
+#  4. q4 (carry .gpu_w; SNS=1,8,32 TS=480): the suite under the defaults.
+#  5. PROMPT=4096 SNS=1,8 q4 (mlx-lm now prefills in pieces of 512): the long context.
 # Session 19's plan (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
 # tree), q2 (carry .gpu_b .gpu_llama): MLX, the 0.8B, llama.cpp's build started; the tensor-core
 # staged products' GPU tests (cores 11-15 beside the build), timelines at N = 8 with them on,
@@ -152,6 +166,28 @@ tl)  # timelines at N = 8 of R2's entries, name:SETTING[,SETTING]:ARGS[,ARG] ("-
     echo "== $name"; grep -E "^N=|scatter|gather|copy_v|stack|host_values" "/tmp/tl_$name.md" \
       | cut -c1-150
   done ;;
+v2)  # carry .gpu_b .gpu_llama, after l1 (session 23 plan, ~6 min): MLX, the 0.8B, llama.cpp's
+  # build; the GPU tests of session 22's defaults and the argmax's NaN fix; timelines
+  source .gpu_b/install-mlx-cuda.sh > /tmp/v2_install.txt 2>&1; tail -n 1 /tmp/v2_install.txt
+  export PYTHONPATH=/tmp/site:$PWD
+  LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > /tmp/v2_setup.txt 2>&1
+  taskset -c 11-15 timeout ${TT:-200} python3 -m pytest -q -p no:cacheprovider \
+    tests/test_argmax_cuda.py tests/test_host_pool_cuda.py tests/test_attention_cuda.py \
+    tests/test_gemv_prologue_cuda.py -k "argmax or auto or shared_by_blocks or pieces or both" \
+    > "$OUT/v2_tests.txt" 2>&1
+  tail -n 3 "$OUT/v2_tests.txt"
+  OLD=SLOTSERVE_GEMV_MMA_BLOCKS=1,SLOTSERVE_HOST_POOL=0,SLOTSERVE_ATTENTION_SPLIT=0
+  R2=${V2:-new::- new_ahead::--ahead old_ahead:$OLD:--ahead \
+      argmax_ahead:SLOTSERVE_ARGMAX=1:--ahead} bash "$0" tl ;;
+v3)  # after v2 (~5 min): tokens/s, decode-ahead, session 21's defaults against today's, in turn
+  export PYTHONPATH=/tmp/site:$PWD
+  OLD=SLOTSERVE_GEMV_MMA_BLOCKS=1,SLOTSERVE_HOST_POOL=0,SLOTSERVE_ATTENTION_SPLIT=0
+  S=""; for i in 1 2 3; do
+    S="$S --setting old_$i:$OLD,ARGS=--overlap --setting new_$i:ARGS=--overlap"
+    S="$S --setting arg_$i:SLOTSERVE_ARGMAX=1,ARGS=--overlap"; done
+  taskset -c 0-7 timeout ${TS:-290} python3 bench/mlx_env_sweep.py --model-dir $M \
+    --preset qwen3.5-0.8b --quant f16 --gen 32 --n ${TN:-8,32} --json "$OUT/v3_sweep.json" $S \
+    > "$OUT/v3_sweep.md" 2>&1; tail -n 18 "$OUT/v3_sweep.md" ;;
 u2)  # carry .gpu_b .gpu_llama, after l1 (session 22 plan, ~8 min): MLX, the 0.8B, llama.cpp's
   # build started; the GPU tests of session 21's kernels (blocks sharing K, argmax, split
   # attention, the host pool); timelines at N = 8 of the first kernel's wait
