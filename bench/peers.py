@@ -325,6 +325,7 @@ class MlxLm:
             tmp.replace(converted)
         self.model, _ = load_model(converted)
         self.cache: list[Any] = []
+
     def start(self, n_seq: int, n_ctx: int) -> None:
         from mlx_lm.generate import _merge_caches
         from mlx_lm.models.cache import make_prompt_cache
