@@ -251,7 +251,8 @@ def sample(
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled:
         return greedy_tokens(logits)
-    return np.array(device_tokens(logits, params, [rngs[i].uniform(1)[0] for i in sampled]))
+    tokens = device_tokens(logits, params, [rngs[i].uniform(1)[0] for i in sampled])
+    return host_pool.to_host(tokens)  # (as greedy tokens are read: `host_pool`)
 
 
 def device_tokens(

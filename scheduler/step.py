@@ -607,7 +607,11 @@ class FiniteCheck:
     Rows the runner made share one packed logits array: one reduction over it serves
     them all, without slicing each row out; a row made otherwise (a poisoned one) gets its
     own. `arrays` are the lazy reductions, for a caller to evaluate early; `read` evaluates
-    them (one sync) and answers. On the CPU numpy checks the packed logits in place instead
+    them (one sync) and answers. On a device what the host reads is one flag an array, its
+    whole sum finite or not, and the per-row sums only when one is not: a read-back of more
+    than 8 bytes goes to the general buffer cache, whose host-touched buffers the device
+    waits on when it is handed them again (docs/PERFORMANCE.md, session 22; at 32 rows the
+    flags would be 32 bytes). On the CPU numpy checks the packed logits in place instead
     (several times faster than MLX's reductions there).
     """
 
@@ -625,25 +629,28 @@ class FiniteCheck:
             else [mx.isfinite(o.logits.sum()) for o in rows if o.packed is None]
         )
         self.host = on_host()
-        self.sums = (
-            {} if self.host else {key: mx.isfinite(a.sum(-1)) for key, a in self.shared.items()}
-        )
+        self.whole = [] if self.host else [mx.isfinite(a.sum()) for a in self.shared.values()]
 
     @property
     def arrays(self) -> list[mx.array]:
-        return [*self.sums.values(), *self.own]
+        return [*self.whole, *self.own]
 
     def read(self) -> list[bool]:
         rows, own = self.rows, self.own
         if not rows:
             return []
-        sums: dict[int, Any] = self.sums
+        sums: dict[int, Any]
         if self.host:
             host = [np.asarray(a) for a in self.shared.values()]
             if not own and all(np.isfinite(a).all() for a in host):
                 return [True] * len(rows)  # (one reduction over each array, not one per row)
             sums = {key: np.isfinite(a).all(-1) for key, a in zip(self.shared, host, strict=True)}
-        mx.eval(self.arrays)
+        else:
+            mx.eval(self.arrays)
+            if not own and all(bool(ok) for ok in self.whole):
+                return [True] * len(rows)  # (a flag an array read, no per-row sums made)
+            sums = {key: mx.isfinite(a.sum(-1)) for key, a in self.shared.items()}
+            mx.eval(*sums.values())
         if not own and not any(np.any(~np.asarray(ok)) for ok in sums.values()):
             return [True] * len(rows)  # the common case, with no walk over the rows
         # bad positions before each index: a row [at, at + n) is fine when none lie within it

@@ -176,7 +176,17 @@ def test_max_tokens_defaults_to_the_rest_of_the_context_and_eos_stops(
     assert q.stop_ids == frozenset()
 
 
-def test_non_finite_logits_mark_only_their_rows_packed_or_not() -> None:
+@pytest.fixture(params=["host", "device"])
+def finite_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """FiniteCheck both ways on any machine: numpy over the logits where MLX computes on the
+    CPU ("host"), MLX's reductions read back as one flag an array ("device", a GPU's way)."""
+    import scheduler.step
+
+    monkeypatch.setattr(scheduler.step, "on_host", lambda: request.param == "host")
+    return str(request.param)
+
+
+def test_non_finite_logits_mark_only_their_rows_packed_or_not(finite_path: str) -> None:
     from engine.runner import RowOutput
     from scheduler.step import FiniteCheck
 
@@ -191,7 +201,7 @@ def test_non_finite_logits_mark_only_their_rows_packed_or_not() -> None:
     assert FiniteCheck(rows).read() == [True, False, True, False, True]
 
 
-def test_rows_over_two_packed_arrays_are_each_checked_against_their_own() -> None:
+def test_rows_over_two_packed_arrays_are_each_checked_against_their_own(finite_path: str) -> None:
     from engine.runner import RowOutput
     from scheduler.step import FiniteCheck
 
@@ -206,7 +216,7 @@ def test_rows_over_two_packed_arrays_are_each_checked_against_their_own() -> Non
     assert FiniteCheck(rows).read() == [True, True, False, True]
 
 
-def test_a_non_finite_position_no_row_reads_fails_no_row() -> None:
+def test_a_non_finite_position_no_row_reads_fails_no_row(finite_path: str) -> None:
     """(A queued step's logits hold the rows the next step dropped, too.)"""
     from engine.runner import RowOutput
     from scheduler.step import FiniteCheck
@@ -215,9 +225,10 @@ def test_a_non_finite_position_no_row_reads_fails_no_row() -> None:
     rows = [RowOutput(packed=(logits, None, 0, 2)), RowOutput(packed=(logits, None, 3, 2))]
     assert FiniteCheck(rows).read() == [True, True]
     finite = mx.ones((2, 4))
-    assert (
-        FiniteCheck([RowOutput(packed=(finite, None, i, 1)) for i in (0, 1)]).read() == [True] * 2
-    )
+    check = FiniteCheck([RowOutput(packed=(finite, None, i, 1)) for i in (0, 1)])
+    assert check.read() == [True] * 2
+    if finite_path == "device":  # what the host reads: one flag, not a flag a row
+        assert [a.size for a in check.arrays] == [1]
 
 
 # -- a plain step's commit ------------------------------------------------------------------------
