@@ -87,6 +87,25 @@ class Stalling(World):
         return ms
 
 
+@dataclass
+class Noisy(World):
+    """A world where any step, one in `every` at random, takes `factor` times as long — a
+    pause of a shared host (session 22's CPU trace at N = 8: a plain step of 147 ms among
+    steps of 25-35 ms moved the controller's plain entry to 50 ms, so drafts of 61-122 ms
+    looked cheap beside it)."""
+
+    every: int = 50
+    factor: float = 5.0
+    seed: int = 0
+    rng: Any = None
+
+    def step_ms(self, ks: np.ndarray) -> float:
+        if self.rng is None:
+            self.rng = np.random.default_rng(self.seed)
+        ms = super().step_ms(ks)
+        return ms * self.factor if self.rng.random() < 1 / self.every else ms
+
+
 def run(ctrl: CostController, world: World, width: int, steps: int, seed: int = 0) -> np.ndarray:
     """Drive the controller for `steps` steps of `width` slots, each offering `CAP` drafts,
     as the speculator feeds it; returns the chosen depths `[steps, width]`."""
@@ -161,6 +180,18 @@ SCENARIOS: list[tuple[str, Callable[[], World], int, int]] = [
         lambda: replace(MTP8, catch_up=0.1, prompt=64),
         8,
         128,
+    ),
+    (
+        "CPU at N = 8 (session 22: draft of 1 2.2 plain steps), a 5x pause in 50 steps",
+        lambda: Noisy(0.6, base=27.0, per_depth=30.0, per_round=5.0),
+        8,
+        2000,
+    ),
+    (
+        "fixed, one slot, a 5x pause in 50 steps",
+        lambda: Noisy(**asdict(FIXED)),
+        1,
+        2000,
     ),
     (
         "fixed, one slot, 128 steps after a 64-token prompt",

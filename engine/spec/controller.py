@@ -10,8 +10,8 @@ acceptance rate alone.
   Depth, not the number of draft tokens, is what a step pays for first: rows are
   padded to the longest, verify rows take the stepwise recurrence, and each MTP
   depth is one more head forward for all slots together. Entries are
-  exponentially weighted averages; a sample is clipped to four times the entry
-  so one compile or page-fault stall does not swing them (a depth's first
+  exponentially weighted averages; a sample is clipped to `clip` (2) times the
+  entry so one compile or page-fault stall does not swing them (a depth's first
   sample is taken as it is: what preceded it was a guess). A depth not
   measured yet at this width is interpolated linearly between measured depths;
   past the deepest one it is taken at the deepest's price. A width that
@@ -67,7 +67,7 @@ acceptance rate alone.
   drafting for longer than that. So where drafting never pays, re-tries lose at most
   about `explore` of the time; where it pays, the credit stays up and nothing waits.
   Steps with "on" slots drafting are not charged (their drafts are not a choice).
-* Stalls: a sample over `stall` (8) times what was expected — the entry, the
+* Stalls: a sample over `stall` (4) times what was expected — the entry, the
   guess the depth was chosen by, or for a width's first plain step the nearest
   width's — is left out, unless the same width and depth stalls again at its
   next sample (then it is what the depth costs); a sample under a quarter of its
@@ -78,6 +78,17 @@ acceptance rate alone.
   first use, say); taken as they came, one barred MTP at N = 8 for good, another
   n-gram drafts of 4, and a plain step's made drafting look free until many
   re-measures had averaged it down.
+  Until session 22 a stall was 8x and the clip 4x: on a shared 2-core CPU a plain step of
+  147 ms among steps of 25-35 ms (N = 8, a pause of the host) passed as a sample and moved
+  the plain entry to 50 ms, so drafts of 61-122 ms looked cheap beside it and paid off
+  against the credit; MTP "auto" ran at 0.87x plain decode there. `bench/controller_sim.py`'s
+  world of such pauses (one step in 50 five times as long, drafting never paying) ran
+  1.22-1.27x plain decode's time per token with 8x / 4x, 1.004-1.006x with 4x / 2x, the
+  other worlds as before. (A first probe dearer than 4x the depth below it, priced at
+  that depth, is left out once and probed again: in the world where a draft of 1 costs
+  5 plain steps, 1.005x either way. Left out at 8x only, a pause during a depth's first
+  sample became its entry: with the pauses, one slot where depth 4 pays stopped drafting,
+  1.20x the best depth's time per token.)
   (Forgetting a stale depth instead, as before session 15, made every re-try a
   full-depth probe: "auto" at N = 8 on the demo model ran at 0.51x plain decode on
   the H200, and its trace on a CPU showed such probes after every forgetting and
@@ -142,7 +153,8 @@ class CostController:
 
     `smoothing`: weight of a new time sample; `decay`: per-round decay of acceptance counts
     (0.9 remembers about ten rounds: enough to ride out a few unlucky rejections); `stall`:
-    how many times what was expected a step may take before it is taken for a stall.
+    how many times what was expected a step may take before it is taken for a stall; `clip`:
+    how far above an entry one sample may pull it.
     """
 
     smoothing: float = 0.2
@@ -151,7 +163,8 @@ class CostController:
     prior_weight: float = 8.0
     idle_decay: float = 0.98
     remeasure_every: int = 64
-    stall: float = 8.0  # a sample this many times what was expected is a stall, unless repeated
+    stall: float = 4.0  # a sample this many times what was expected is a stall, unless repeated
+    clip: float = 2.0  # a sample moves an entry as if it were at most this many times it
     explore: float = 0.05  # share of every step's time earned as credit for re-tries
     credit_steps: float = 512.0  # the credit's bound: what this many plain steps earn
     credit: float = 0.0  # seconds re-tries may still lose (see the module docstring)
@@ -324,7 +337,7 @@ class CostController:
         if old is None:  # a first measurement (a guess preceded it: nothing to clip to)
             table[depth] = seconds
         else:  # one stall moves a measurement at most so far
-            table[depth] = old + self.smoothing * (min(seconds, 4 * old) - old)
+            table[depth] = old + self.smoothing * (min(seconds, self.clip * old) - old)
         self._steps[width] = self._steps.get(width, 0) + 1
         if (width, depth) in self._measured_at:
             self._measured_before[width, depth] = self._measured_at[width, depth]
