@@ -66,11 +66,18 @@ def ensure_mlx_lm(wheels: Path, site: Path) -> str:
 
 
 def run_ours_vs_mlx_lm(
-    model: Path, ns: list[int], args: argparse.Namespace, out: Path, alone: bool = False
+    model: Path,
+    ns: list[int],
+    args: argparse.Namespace,
+    out: Path,
+    alone: bool = False,
+    peers: bool = True,
 ) -> dict[str, Any]:
-    """Ours beside mlx-lm (a worker process each, alternating); `alone`: ours' worker only."""
+    """Ours beside mlx-lm (a worker process each, alternating); `alone`: ours' worker only,
+    without decode-ahead; `peers=False`: ours (and ours-ahead) without mlx-lm."""
     import batched_decode
 
+    alone_or_ours = "_alone" if alone else "" if peers else "_ours"
     argv = [
         "--model", str(model),
         "--ns", ",".join(map(str, ns)),
@@ -78,12 +85,12 @@ def run_ours_vs_mlx_lm(
         "--steps", str(args.steps),
         "--reps", str(args.reps),
         "--warmup", "2",
-        "--peers", "," if alone else "mlx-lm",
+        "--peers", "mlx-lm" if peers and not alone else ",",
         "--blas", "bundled",
         "--dtype", args.dtype,
         "--kv-dtype", args.dtype,
         "--retries", "0",
-        "--out", str(out / f"batched_decode_{model.stem}{'_alone' if alone else ''}.json"),
+        "--out", str(out / f"batched_decode_{model.stem}{alone_or_ours}.json"),
     ]  # fmt: skip
     if args.compile:
         argv.append("--compile")
@@ -140,22 +147,27 @@ def summarize(results: dict[str, Any], ns_small: list[int]) -> str:
         tok = {int(s["n"]): s["tok_s"] for s in r["batched"]["summary"]}
         llama = r.get("llama", {})
         ours = [s for s in ("ours", "ours-ahead") if all(s in t for t in tok.values())]
-        for side in (*ours, "mlx-lm"):
+        peer = ["mlx-lm"] if all("mlx-lm" in t for t in tok.values()) else []
+        for side in (*ours, *peer):
             cells = [f"{tok[n][side]:.0f}" if n in tok else "—" for n in ns_small]
             lines.append(f"| {side}, {key} | " + " | ".join(cells) + " |")
         if "alone" in r:
             solo = {int(s["n"]): s["tok_s"]["ours"] for s in r["alone"]["summary"]}
             cells = [f"{solo[n]:.0f}" if n in solo else "—" for n in ns_small]
             lines.append(f"| ours alone (no mlx-lm worker), {key} | " + " | ".join(cells) + " |")
+        if "mlx_lm_failed" in r:
+            cells = ["failed"] * len(ns_small)
+            lines.append(f"| mlx-lm, {key} ({r['mlx_lm_failed']}) | " + " | ".join(cells) + " |")
         if llama:
             cells = [f"{llama[n]:.0f}" if n in llama else "—" for n in ns_small]
             lines.append(f"| llama.cpp, {key} | " + " | ".join(cells) + " |")
         for side in ours:
             for n, t in sorted(tok.items()):
-                ratio = t[side] / t["mlx-lm"]
-                targets.append(
-                    f"| {key} N={n}: {side} / mlx-lm >= 3 | {ratio:.2f} | {_met(ratio >= 3)} |"
-                )
+                if peer:
+                    ratio = t[side] / t["mlx-lm"]
+                    targets.append(
+                        f"| {key} N={n}: {side} / mlx-lm >= 3 | {ratio:.2f} | {_met(ratio >= 3)} |"
+                    )
                 if n in llama:
                     want = 1.0 if n == 1 else 1.3
                     ratio = t[side] / llama[n]
@@ -175,6 +187,12 @@ def summarize(results: dict[str, Any], ns_small: list[int]) -> str:
                     f"| {f:.0%} | {_met(f >= 0.5)} |"
                 )
     return "\n".join([*lines, "", "| target | measured | |", "|---|---|---|", *targets])
+
+
+def _last_line(text: str) -> str:
+    """A failure's last line (its exception), for the tables."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "no message"
 
 
 def _met(ok: bool) -> str:
@@ -203,7 +221,13 @@ def main() -> None:
             results["models"][model.stem] = {"skipped": f"{left:.0f} s left"}
             continue
         print(f"[gpu_suite] {model.name} at N={ns} ({left:.0f} s of budget left)", flush=True)
-        r: dict[str, Any] = {"batched": run_ours_vs_mlx_lm(model, ns, args, out)}
+        r: dict[str, Any] = {}
+        try:
+            r["batched"] = run_ours_vs_mlx_lm(model, ns, args, out)
+        except RuntimeError as e:  # a peer's failure (8 x 4,096 tokens ran mlx-lm out of memory)
+            r["mlx_lm_failed"] = _last_line(str(e))
+            print(f"[gpu_suite] mlx-lm failed ({r['mlx_lm_failed']}): ours alone", flush=True)
+            r["batched"] = run_ours_vs_mlx_lm(model, ns, args, out, peers=False)
         if args.alone:
             r["alone"] = run_ours_vs_mlx_lm(model, ns, args, out, alone=True)
         if label == "big":

@@ -57,3 +57,22 @@ main: n_kv_max = 16640, n_batch = 2048, n_ubatch = 512, flash_attn = 1, is_pp_sh
 |   128 |     64 |    8 |   1536 |    0.090 | 11377.78 |    0.202 |  2534.65 |    0.292 |  5260.27 |
 """
     assert parse_batched_bench(out) == {1: 484.85, 8: 2534.65}
+
+
+def test_a_peer_that_fails_leaves_ours_timed(tiny_qwen35moe: Path, tmp_path: Path) -> None:
+    """mlx-lm refuses a MoE file (its converter: dense qwen35 only), as it ran out of memory
+    on 8 prompts of 4,096 tokens on the H200: the suite records its failure and times ours
+    (and ours-ahead) alone rather than losing the model's figures."""
+    cmd = [sys.executable, "bench/gpu_suite.py", "--small", str(tiny_qwen35moe)]
+    cmd += ["--big", str(tmp_path / "none.gguf"), "--dtype", "float32", "--ns", "1,2"]
+    cmd += ["--prompt", "6", "--steps", "3", "--reps", "1", "--ahead"]
+    env = os.environ | {"OUT": str(tmp_path)}
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+
+    r = json.loads((tmp_path / "gpu_suite.json").read_text())["models"][tiny_qwen35moe.stem]
+    assert "only dense qwen35" in r["mlx_lm_failed"]
+    sides = {side for s in r["batched"]["summary"] for side in s["tok_s"]}
+    assert sides == {"ours", "ours-ahead"}
+    table = (tmp_path / "gpu_suite.md").read_text()
+    assert f"| mlx-lm, {tiny_qwen35moe.stem} (ValueError:" in table
+    assert f"| ours-ahead, {tiny_qwen35moe.stem} |" in table and "/ mlx-lm" not in table
