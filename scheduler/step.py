@@ -608,10 +608,11 @@ class FiniteCheck:
     them all, without slicing each row out; a row made otherwise (a poisoned one) gets its
     own. `arrays` are the lazy reductions, for a caller to evaluate early; `read` evaluates
     them (one sync) and answers. On a device what the host reads is one flag an array, its
-    whole sum finite or not, and the per-row sums only when one is not: a read-back of more
-    than 8 bytes goes to the general buffer cache, whose host-touched buffers the device
-    waits on when it is handed them again (docs/PERFORMANCE.md, session 22; at 32 rows the
-    flags would be 32 bytes). On the CPU numpy checks the packed logits in place instead
+    whole sum finite or not, and the per-row sums only when one is not: read-backs of 8 bytes
+    or fewer stay out of MLX's general buffer cache, as `host_pool`'s do (with which the
+    H200's step lost its first kernel's wait, session 22: the likeliest cause, not proven,
+    is a host-touched buffer handed back to the device; at 32 rows the flags would be 32
+    bytes). On the CPU numpy checks the packed logits in place instead
     (several times faster than MLX's reductions there).
     """
 
