@@ -69,6 +69,8 @@ class Ours:
         self.slots: list[Any] = []
         self.lengths: list[int] = []
         self.phases: dict[str, list[float]] = {"step": [], "host": [], "sample": []}
+        if ahead:  # where decode-ahead's host time goes (`_greedy_ahead`)
+            self.phases |= {"adopt": [], "argmax": [], "launch": []}
         # ahead: each `greedy` queues the next step on this one's argmax on the device
         # (`ModelRunner.launch`) before reading it back, as the scheduler's decode-ahead does
         self.ahead = ahead
@@ -122,7 +124,10 @@ class Ours:
         """`greedy` with the next step queued before this one's tokens are read: the step
         queued last time (on the device tokens this call is given back) is adopted whole, its
         argmax feeds a new step queued at once, and only then is the argmax read. `step` is the
-        host time up to the read, `sample` the wait for it (the device's share)."""
+        host time up to the read, `sample` the wait for it (the device's share); within `step`:
+        `adopt` (the last step's state into the pool), `argmax` (queued and evaluated
+        asynchronously), `host` (the new step's inputs and graph) and `launch` (the rest of
+        `ModelRunner.launch`: MLX encoding and launching the step's kernels)."""
         import mlx.core as mx
 
         from engine.kernels import host_pool
@@ -132,14 +137,20 @@ class Ours:
         t0 = time.perf_counter()
         if self.pending is None or self.pending_on != tokens:
             self.pending = self.runner.launch(self.slots, mx.array(tokens, dtype=mx.int32))
+        ta = time.perf_counter()
         out = self.runner.adopt(self.pending, range(len(self.slots)))
+        tb = time.perf_counter()
         nxt = argmax_rows(last_logits(out.rows)).astype(mx.int32)
         # its own evaluation: evaluated within the next step's, it would be ready (and
         # readable) only when that whole step is
         mx.async_eval(nxt)
+        tc = time.perf_counter()
         self.pending = self.runner.launch(self.slots, nxt)
         host = self.runner.last_host_s
         t1 = time.perf_counter()
+        self.phases["adopt"].append(tb - ta)
+        self.phases["argmax"].append(tc - tb)
+        self.phases["launch"].append(t1 - tc - host)
         tokens = [int(t) for t in host_pool.to_host(nxt)]
         self.pending_on = tokens
         self.lengths = [n + 1 for n in self.lengths]

@@ -39,6 +39,13 @@ def test_suite_runs_both_models_and_writes_its_tables(
         # decode-ahead (each step queued on the last one's argmax on the device) changes no token
         assert {"side": "ours-ahead", "same_tokens_as_ours": True} in checks
     assert [s["n"] for s in record["models"][small.stem]["batched"]["summary"]] == [1, 2]
+    ahead = [
+        x for x in record["models"][small.stem]["batched"]["samples"] if x["side"] == "ours-ahead"
+    ]
+    assert ahead and all(  # where decode-ahead's host time goes
+        {"step", "host", "sample", "adopt", "argmax", "launch"} <= set(x["phases_ms"])
+        for x in ahead
+    )
     assert record["models"][big.stem]["roofline_tok_s"] > 0
     table = (tmp_path / "gpu_suite.md").read_text()
     assert f"| ours, {small.stem} |" in table and "ours / mlx-lm >= 3" in table
