@@ -813,7 +813,7 @@ class ModelRunner:
         inputs = [
             mx.concatenate([r.logits for r in fed]),
             mx.concatenate([r.hidden for r in fed]),
-            mx.array(uniforms),
+            host_pool.array(uniforms.ravel().tolist(), mx.float32).reshape(uniforms.shape),
             *layout.arrays(),
             *shaping.arrays,
         ]

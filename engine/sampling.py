@@ -265,10 +265,10 @@ def device_tokens(
     greedy = argmax_rows(logits).astype(mx.int32)
     if not sampled:
         return greedy
-    u = np.array(uniforms, dtype=np.float32)
+    u = host_pool.array(list(uniforms), mx.float32)  # (a host-made array of 8 bytes at most)
     if len(sampled) == len(params):
         return draw(distribution(logits, params), u)
-    rows = mx.array(sampled, dtype=mx.int32)
+    rows = host_pool.ids(sampled)
     greedy[rows] = draw(distribution(logits[rows], [params[i] for i in sampled]), u)
     return greedy
 

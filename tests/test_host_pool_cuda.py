@@ -24,6 +24,8 @@ def test_values_both_ways(monkeypatch: pytest.MonkeyPatch) -> None:
     for n in (*range(1, 20), 31, 32, 33, 63, 64, 65):
         values = [9 * i - 500 for i in range(n)]
         assert host_pool.ids(values).tolist() == values
+        floats = [0.25 * i - 3.0 for i in range(n)]  # (exact in float32)
+        assert host_pool.array(floats, mx.float32).tolist() == floats
         for dtype in (mx.int32, mx.uint32, mx.float32):
             made = (mx.arange(n) * 3 + 1).astype(dtype)
             got = host_pool.to_host(made)

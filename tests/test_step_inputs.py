@@ -141,3 +141,22 @@ def test_ids_from_pieces_are_the_values(monkeypatch: pytest.MonkeyPatch) -> None
         values = [7 * i - 100 for i in range(n)]
         made = host_pool.ids(values)
         assert made.dtype == mx.int32 and made.tolist() == values
+        floats = [float(np.float32(0.37 * i - 1.5)) for i in range(n)]  # (exact in float32)
+        made = host_pool.array(floats, mx.float32)
+        assert made.dtype == mx.float32 and made.tolist() == floats
+
+
+def test_sampled_tokens_with_pieces_are_those_without(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's uniforms and sampled rows' index made from 8-byte pieces (`host_pool.array`,
+    `device_tokens`): the same tokens, greedy and sampled rows mixed or all sampled."""
+    from engine.sampling import SamplingParams, device_tokens
+
+    rng = np.random.default_rng(3)
+    logits = mx.array(rng.normal(size=(6, 50)).astype(np.float32) * 3)
+    hot, greedy = SamplingParams(temperature=0.8, top_k=20), SamplingParams(temperature=0.0)
+    for params in ([hot, greedy, hot, hot, greedy, hot], [hot] * 6):
+        uniforms = [float(u) for u in rng.random(sum(not p.greedy for p in params))]
+        want = device_tokens(logits, params, uniforms).tolist()
+        with monkeypatch.context() as m:
+            m.setattr(host_pool, "enabled", lambda: True)
+            assert device_tokens(logits, params, uniforms).tolist() == want

@@ -22,6 +22,8 @@ up to `MAX_VALUES` values, longer ones (a prefill's tokens) as plain arrays.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mlx.core as mx
 import numpy as np
 
@@ -45,11 +47,17 @@ def _pieces(n: int) -> int:
 def ids(values: list[int]) -> mx.array:
     """`mx.array(values, dtype=mx.int32)`, made from 8-byte pieces where `enabled()` (3 to
     `MAX_VALUES` values; fewer are 8 bytes already)."""
+    return array(values, mx.int32)
+
+
+def array(values: Sequence[float], dtype: mx.Dtype) -> mx.array:
+    """`mx.array(values, dtype=dtype)` for a 4-byte `dtype` (int32, uint32, float32), made
+    from 8-byte pieces as `ids` makes ids (a step's uniforms for its sampled rows, say)."""
     n = len(values)
-    if not (2 < n <= MAX_VALUES and enabled()):
-        return mx.array(values, dtype=mx.int32)
+    if not (2 < n <= MAX_VALUES and dtype.size == 4 and enabled()):
+        return mx.array(list(values), dtype=dtype)
     padded = [*values, *[0] * (2 * _pieces(n) - n)]
-    parts = [mx.array(padded[i : i + 2], dtype=mx.int32) for i in range(0, len(padded), 2)]
+    parts = [mx.array(padded[i : i + 2], dtype=dtype) for i in range(0, len(padded), 2)]
     return stack_cuda.stack(parts).reshape(-1)[:n]
 
 
