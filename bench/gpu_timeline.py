@@ -30,7 +30,11 @@ ids both ways as arrays of 8 bytes, in MLX's small-block pool.
 built: in session 21's timelines the step's first kernel took 70-144 us whatever it read
 (a gather of 8 ids, a kernel reading only its launch parameters) after the GPU had idled
 ~0.9 ms for the host. If the wait is the idle GPU's, it moves to the wake kernel, off the
-step's path; if it is the step's own first launch, it stays.
+step's path; if it is the step's own first launch, it stays. (Session 22: it stayed; with
+the host pool the step had no slow kernel.)
+`--sampled` draws the plain loop's rows at temperature 0.8 after the scheduler's finite
+check, as sampling requests are served: their uniforms are host-made arrays each step
+(through `host_pool.array` since session 22; SLOTSERVE_HOST_POOL=0 for plain ones).
 """
 
 from __future__ import annotations
@@ -200,6 +204,8 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     from engine.kernels.argmax_cuda import argmax_rows
     from engine.models.qwen35 import Model
     from engine.runner import ModelRunner, Row, last_logits
+    from engine.sampling import RequestRng, SamplingParams, sample
+    from scheduler.step import FiniteCheck
 
     if args.inputs == "params":  # (bench only: the engine makes its ids with host_pool.ids)
         from host_values import MAX_VALUES, int32_from_params
@@ -234,8 +240,18 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
 
         wake = mx.zeros((1,), dtype=mx.float32)
         mx.eval(wake)
+        # --sampled: every row drawn at temperature 0.8 from its own stream, as the scheduler
+        # draws a sampling request's tokens, after the scheduler's finite check
+        params = [SamplingParams(temperature=0.8, top_k=40)] * n
+        rngs = [RequestRng(seed) for seed in range(n)]
 
-        def step(runner: ModelRunner, slots: list[SlotId], toks: Any) -> Any:
+        def step(
+            runner: ModelRunner,
+            slots: list[SlotId],
+            toks: Any,
+            params: list[SamplingParams] = params,
+            rngs: list[RequestRng] = rngs,
+        ) -> Any:
             nonlocal wake
             if args.wake:  # a kernel now, while the host builds the step (no step reads it)
                 wake = wake + 1
@@ -252,6 +268,9 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
             if not K:
                 rows = [Row(s, [t], lengths[s]) for s, t in zip(slots, toks, strict=True)]
                 out = runner.step(rows)
+                if args.sampled:
+                    assert all(FiniteCheck(out.rows).read())
+                    return [int(t) for t in sample(last_logits(out.rows), params, rngs)]
                 ids = argmax_rows(last_logits(out.rows))
                 if args.pin_readbacks:
                     pinned.append(ids)
@@ -351,11 +370,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         action="store_true",
         help="a one-element kernel queued as each step's host work begins (see above)",
     )
+    p.add_argument(
+        "--sampled",
+        action="store_true",
+        help="the plain loop's rows drawn at temperature 0.8 after the finite check, as the "
+        "scheduler serves sampling requests (their uniforms are host-made arrays)",
+    )
     p.add_argument("--trace-dir", default="out/timeline")
     p.add_argument("--json")
     args = p.parse_args(argv)
     if args.ahead and args.verify:
         p.error("--ahead runs plain decode steps: not with --verify")
+    if args.sampled and (args.ahead or args.verify):
+        p.error("--sampled runs the plain loop: not with --ahead or --verify")
     result = profile(args)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -89,6 +89,8 @@ def test_decode_ahead_is_plain_decode_only() -> None:
     """--ahead times the scheduler's decode-ahead loop, which verify steps do not take."""
     with pytest.raises(SystemExit):
         main(["--ahead", "--verify", "2", "--n", "1"])
+    with pytest.raises(SystemExit):  # --sampled draws in the plain loop only
+        main(["--sampled", "--ahead", "--n", "1"])
 
 
 def _stand_in_torch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,7 +126,9 @@ def _stand_in_torch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize(
-    "mode", [[], ["--ahead"], ["--verify", "2"]], ids=["plain", "ahead", "verify"]
+    "mode",
+    [[], ["--ahead"], ["--verify", "2"], ["--sampled"]],
+    ids=["plain", "ahead", "verify", "sampled"],
 )
 def test_its_step_loops_run_on_a_tiny_model(
     mode: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
