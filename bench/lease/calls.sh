@@ -102,7 +102,9 @@
 #  2. v2 (carry .gpu_b .gpu_llama, ~6 min): MLX, the 0.8B, llama.cpp's build; the argmax
 #     tests (its NaN fix) and the tensor-core / attention / pool tests under the defaults;
 #     timelines at N = 8: the defaults, plain and decode-ahead, and decode-ahead with
-#     session 21's defaults (is decode-ahead's copy_v wait, 4 x 35 us, gone with the pool?).
+#     session 21's defaults (is decode-ahead's copy_v wait, 4 x 35 us, gone with the pool?);
+#     sampled rows (--sampled: uniforms and the finite check's flags through 8-byte arrays,
+#     and with SLOTSERVE_HOST_POOL=0 as before) — six timelines, ~90 s each at most.
 #  3. v3 (~5 min): tokens/s, decode-ahead, session 21's defaults (old) against today's
 #     (new) and today's + argmax, alternated three times, N = 8, 32 — the host's two speeds
 #     need pairs.
@@ -178,7 +180,8 @@ v2)  # carry .gpu_b .gpu_llama, after l1 (session 23 plan, ~6 min): MLX, the 0.8
   tail -n 3 "$OUT/v2_tests.txt"
   OLD=SLOTSERVE_GEMV_MMA_BLOCKS=1,SLOTSERVE_HOST_POOL=0,SLOTSERVE_ATTENTION_SPLIT=0
   R2=${V2:-new::- new_ahead::--ahead old_ahead:$OLD:--ahead \
-      argmax_ahead:SLOTSERVE_ARGMAX=1:--ahead} bash "$0" tl ;;
+      argmax_ahead:SLOTSERVE_ARGMAX=1:--ahead sampled::--sampled \
+      sampled_nopool:SLOTSERVE_HOST_POOL=0:--sampled} bash "$0" tl ;;
 v3)  # after v2 (~5 min): tokens/s, decode-ahead, session 21's defaults against today's, in turn
   export PYTHONPATH=/tmp/site:$PWD
   OLD=SLOTSERVE_GEMV_MMA_BLOCKS=1,SLOTSERVE_HOST_POOL=0,SLOTSERVE_ATTENTION_SPLIT=0
