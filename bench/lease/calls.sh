@@ -101,10 +101,10 @@
 #  1. l1 (carry .gpu_a .gpu_w; models/slotserve-demo.gguf out of the tree).
 #  2. v2 (carry .gpu_b .gpu_llama, ~6 min): MLX, the 0.8B, llama.cpp's build; the argmax
 #     tests (its NaN fix) and the tensor-core / attention / pool tests under the defaults;
-#     timelines at N = 8: the defaults, plain and decode-ahead, and decode-ahead with
-#     session 21's defaults (is decode-ahead's copy_v wait, 4 x 35 us, gone with the pool?);
-#     sampled rows (--sampled: uniforms and the finite check's flags through 8-byte arrays,
-#     and with SLOTSERVE_HOST_POOL=0 as before) — six timelines, ~90 s each at most.
+#     timelines at N = 8 of the defaults, plain and decode-ahead.
+#  2b. v2b (~5 min): decode-ahead with session 21's defaults (is decode-ahead's copy_v wait,
+#     4 x 35 us, gone with the pool?) and with the argmax; sampled rows (--sampled: uniforms
+#     and the finite check's flag through 8-byte arrays; and SLOTSERVE_HOST_POOL=0 as before).
 #  3. v3 (~5 min): tokens/s, decode-ahead, session 21's defaults (old) against today's
 #     (new) and today's + argmax, alternated three times, N = 8, 32 — the host's two speeds
 #     need pairs.
@@ -179,9 +179,11 @@ v2)  # carry .gpu_b .gpu_llama, after l1 (session 23 plan, ~6 min): MLX, the 0.8
     > "$OUT/v2_tests.txt" 2>&1
   tail -n 3 "$OUT/v2_tests.txt"
   OLD=SLOTSERVE_GEMV_MMA_BLOCKS=1,SLOTSERVE_HOST_POOL=0,SLOTSERVE_ATTENTION_SPLIT=0
-  R2=${V2:-new::- new_ahead::--ahead old_ahead:$OLD:--ahead \
-      argmax_ahead:SLOTSERVE_ARGMAX=1:--ahead sampled::--sampled \
-      sampled_nopool:SLOTSERVE_HOST_POOL=0:--sampled} bash "$0" tl ;;
+  R2=${V2:-new::- new_ahead::--ahead} bash "$0" tl ;;
+v2b)  # after v2 (~5 min): the rest of the timelines
+  OLD=SLOTSERVE_GEMV_MMA_BLOCKS=1,SLOTSERVE_HOST_POOL=0,SLOTSERVE_ATTENTION_SPLIT=0
+  R2=${V2B:-old_ahead:$OLD:--ahead argmax_ahead:SLOTSERVE_ARGMAX=1:--ahead \
+      sampled::--sampled sampled_nopool:SLOTSERVE_HOST_POOL=0:--sampled} bash "$0" tl ;;
 v3)  # after v2 (~5 min): tokens/s, decode-ahead, session 21's defaults against today's, in turn
   export PYTHONPATH=/tmp/site:$PWD
   OLD=SLOTSERVE_GEMV_MMA_BLOCKS=1,SLOTSERVE_HOST_POOL=0,SLOTSERVE_ATTENTION_SPLIT=0
