@@ -110,6 +110,9 @@
 #     need pairs.
 #  4. q4 (carry .gpu_w; SNS=1,8,32 TS=480): the suite under the defaults.
 #  5. PROMPT=4096 SNS=1,8 q4 (mlx-lm now prefills in pieces of 512): the long context.
+#  6. If time is left: the whole GPU test suite under the new defaults (never run with split
+#     attention, blocks sharing K and the host pool all on: `taskset -c 11-15 python3 -m
+#     pytest -q tests -k "cuda or gpu"`, ~8 min, beside step 4 if cores allow).
 # Session 19's plan (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
 # tree), q2 (carry .gpu_b .gpu_llama): MLX, the 0.8B, llama.cpp's build started; the tensor-core
 # staged products' GPU tests (cores 11-15 beside the build), timelines at N = 8 with them on,
