@@ -77,7 +77,7 @@ def run_ours_vs_mlx_lm(
     without decode-ahead; `peers=False`: ours (and ours-ahead) without mlx-lm."""
     import batched_decode
 
-    alone_or_ours = "_alone" if alone else "" if peers else "_ours"
+    suffix = "_alone" if alone else "" if peers else "_ours"
     argv = [
         "--model", str(model),
         "--ns", ",".join(map(str, ns)),
@@ -90,7 +90,7 @@ def run_ours_vs_mlx_lm(
         "--dtype", args.dtype,
         "--kv-dtype", args.dtype,
         "--retries", "0",
-        "--out", str(out / f"batched_decode_{model.stem}{alone_or_ours}.json"),
+        "--out", str(out / f"batched_decode_{model.stem}{suffix}.json"),
     ]  # fmt: skip
     if args.compile:
         argv.append("--compile")

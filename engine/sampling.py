@@ -265,7 +265,7 @@ def device_tokens(
     greedy = argmax_rows(logits).astype(mx.int32)
     if not sampled:
         return greedy
-    u = host_pool.array(list(uniforms), mx.float32)  # (a host-made array of 8 bytes at most)
+    u = host_pool.array(uniforms, mx.float32)  # (host-made arrays of 8 bytes at most)
     if len(sampled) == len(params):
         return draw(distribution(logits, params), u)
     rows = host_pool.ids(sampled)

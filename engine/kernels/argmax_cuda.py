@@ -78,8 +78,8 @@ _SOURCE = (
 
 
 def enabled() -> bool:
-    """On MLX's CUDA backend with SLOTSERVE_ARGMAX=1 ("0", the default, until the H200 has
-    run it: MLX's own argmax)."""
+    """On MLX's CUDA backend with SLOTSERVE_ARGMAX=1 ("0", the default, until its NaN fix has
+    passed on a GPU: MLX's own argmax)."""
     return cuda.env_flag(ENV) and cuda.available()  # (read at the call: tools replace it)
 
 

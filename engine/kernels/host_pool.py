@@ -11,8 +11,8 @@ hypothesis this agrees with). Arrays of 8 bytes or fewer come from a pool of the
 GPU maps where it lies and that never feeds the general cache; one row's ids (4 bytes)
 never waited. So, with the switch on, both ways in 8-byte pieces:
 
-* `ids(values)`: the host's values as arrays of two, joined on the device by one stack
-  launch (`stack_cuda.stack`);
+* `ids(values)`, `array(values, dtype)`: the host's values (4-byte ints or floats) as
+  arrays of two, joined on the device by one stack launch (`stack_cuda.stack`);
 * `to_host(array)`: a 1-D array of 4-byte values copied by one kernel into arrays of two,
   which the host reads — the array itself is never read, so its buffer stays device memory.
 
@@ -22,7 +22,9 @@ up to `MAX_VALUES` values, longer ones (a prefill's tokens) as plain arrays.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -71,6 +73,19 @@ _SPLIT = """
 """
 
 
+def _split_kernel(k: int) -> Any:
+    """The kernel copying up to 2k values into k arrays of two (`cuda.cached_kernel`'s, so
+    tools that replace kernels see it)."""
+    return cuda.cached_kernel("host_pieces", str(k), ["x"], *_split_source(k))
+
+
+@functools.cache
+def _split_source(k: int) -> tuple[list[str], str]:
+    """`_split_kernel`'s output names and source, made once a count, not at every read-back."""
+    cases = "\n".join(f"        case {j}: o{j}[i & 1] = x[i]; break;" for j in range(k))
+    return [f"o{j}" for j in range(k)], _SPLIT.format(cases=cases)
+
+
 def to_host(array: mx.array) -> np.ndarray:
     """`np.array(array)`; where `enabled()`, a 1-D array of 3 to `MAX_VALUES` 4-byte values
     is read through 8-byte copies made by one kernel (the array's own buffer untouched by
@@ -79,10 +94,7 @@ def to_host(array: mx.array) -> np.ndarray:
     if not (array.ndim == 1 and array.itemsize == 4 and 2 < n <= MAX_VALUES and enabled()):
         return np.array(array)
     k = _pieces(n)
-    names = [f"o{j}" for j in range(k)]
-    cases = "\n".join(f"        case {j}: o{j}[i & 1] = x[i]; break;" for j in range(k))
-    kernel = cuda.cached_kernel("host_pieces", str(k), ["x"], names, _SPLIT.format(cases=cases))
-    parts = kernel(
+    parts = _split_kernel(k)(
         inputs=[array],
         template=[("T", array.dtype)],
         grid=(2 * k, 1, 1),
