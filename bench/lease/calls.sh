@@ -94,7 +94,8 @@
 # If params_pin lost the wait: build read-backs and small inputs through MLX's small-block
 # pool (8-byte arrays, which the GPU maps where they lie) or otherwise out of the general
 # buffer cache, in the engine.
-# Session 22 ran l1, u2, u2b, a tokens/s sweep by hand (u3's settings plus the pool), q4 with
+# Session 22 ran l1, u2, u2b (both in git history at 29ce9f2), a tokens/s sweep by hand (u3's
+# settings plus the pool), q4 with
 # all four switches (SNS=1,8; the 4,096-token suite stopped in mlx-lm's prefill: fixed
 # since), another sweep at N = 8: PERFORMANCE.md "Session 22" (bench/results/h200_v29).
 # Next lease (session 23 plan, ~25 min; the defaults are now split 128, blocks auto, pool on):
@@ -121,6 +122,8 @@
 set -u
 M=/tmp/models
 L=/tmp/llama/llama.cpp/build/bin/llama-batched-bench
+# session 21's defaults, against which session 22's are timed (v2b, v3)
+OLD=SLOTSERVE_GEMV_MMA_BLOCKS=1,SLOTSERVE_HOST_POOL=0,SLOTSERVE_ATTENTION_SPLIT=0
 export PYTHONPATH=/tmp/site:$PWD
 case ${1:-} in
 c1)
@@ -181,59 +184,18 @@ v2)  # carry .gpu_b .gpu_llama, after l1 (session 23 plan, ~6 min): MLX, the 0.8
     tests/test_gemv_prologue_cuda.py -k "argmax or auto or shared_by_blocks or pieces or both" \
     > "$OUT/v2_tests.txt" 2>&1
   tail -n 3 "$OUT/v2_tests.txt"
-  OLD=SLOTSERVE_GEMV_MMA_BLOCKS=1,SLOTSERVE_HOST_POOL=0,SLOTSERVE_ATTENTION_SPLIT=0
   R2=${V2:-new::- new_ahead::--ahead} bash "$0" tl ;;
 v2b)  # after v2 (~5 min): the rest of the timelines
-  OLD=SLOTSERVE_GEMV_MMA_BLOCKS=1,SLOTSERVE_HOST_POOL=0,SLOTSERVE_ATTENTION_SPLIT=0
   R2=${V2B:-old_ahead:$OLD:--ahead argmax_ahead:SLOTSERVE_ARGMAX=1:--ahead \
       sampled::--sampled sampled_nopool:SLOTSERVE_HOST_POOL=0:--sampled} bash "$0" tl ;;
 v3)  # after v2 (~5 min): tokens/s, decode-ahead, session 21's defaults against today's, in turn
   export PYTHONPATH=/tmp/site:$PWD
-  OLD=SLOTSERVE_GEMV_MMA_BLOCKS=1,SLOTSERVE_HOST_POOL=0,SLOTSERVE_ATTENTION_SPLIT=0
   S=""; for i in 1 2 3; do
     S="$S --setting old_$i:$OLD,ARGS=--overlap --setting new_$i:ARGS=--overlap"
     S="$S --setting arg_$i:SLOTSERVE_ARGMAX=1,ARGS=--overlap"; done
   taskset -c 0-7 timeout ${TS:-290} python3 bench/mlx_env_sweep.py --model-dir $M \
     --preset qwen3.5-0.8b --quant f16 --gen 32 --n ${TN:-8,32} --json "$OUT/v3_sweep.json" $S \
     > "$OUT/v3_sweep.md" 2>&1; tail -n 18 "$OUT/v3_sweep.md" ;;
-u2)  # carry .gpu_b .gpu_llama, after l1 (session 22 plan, ~8 min): MLX, the 0.8B, llama.cpp's
-  # build started; the GPU tests of session 21's kernels (blocks sharing K, argmax, split
-  # attention, the host pool); timelines at N = 8 of the first kernel's wait
-  source .gpu_b/install-mlx-cuda.sh > /tmp/u2_install.txt 2>&1; tail -n 1 /tmp/u2_install.txt
-  export PYTHONPATH=/tmp/site:$PWD
-  LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > /tmp/u2_setup.txt 2>&1
-  # (26 tests of session 21's kernels, the smallest files first; up to 200 s)
-  taskset -c 11-15 timeout ${TT:-200} python3 -m pytest -q -p no:cacheprovider \
-    tests/test_argmax_cuda.py tests/test_host_pool_cuda.py tests/test_attention_cuda.py \
-    tests/test_gemv_prologue_cuda.py \
-    -k "(auto and not rows) or argmax or shared_by_blocks or pieces or both" \
-    > "$OUT/u2_tests.txt" 2>&1
-  tail -n 3 "$OUT/u2_tests.txt"
-  # the first kernel's wait: managed pages the host touched? (gpu_timeline.py's docstring)
-  # (ids from launch parameters alone: 70 us in the parameters' kernel, session 21)
-  R2=${U2:-plain::- params_pin::--inputs,params,--pin-readbacks pin::--pin-readbacks \
-      pool:SLOTSERVE_HOST_POOL=1:-} bash "$0" tl ;;
-u2b)  # after u2 (~4 min): a wake kernel first; blocks sharing K, plain and decode-ahead
-  R2=${U2B:-wake::--wake blocks:SLOTSERVE_GEMV_MMA_BLOCKS=auto:- \
-      blocks_ahead:SLOTSERVE_GEMV_MMA_BLOCKS=auto,SLOTSERVE_ARGMAX=1:--ahead} bash "$0" tl
-  for f in "$OUT"/tl_blocks*.md; do grep -E "gemv_mma" "$f" | head -2; done
-  # a long context (a 4,096-token prompt): decode attention one block a head, or keys
-  # shared by blocks of 128, at N = 1 and 8 (the attention kernel's row of each)
-  for v in one:0 split:128; do
-    SLOTSERVE_ATTENTION_SPLIT=${v#*:} taskset -c 0-7 timeout 120 python3 bench/gpu_timeline.py \
-      --model-dir $M --preset qwen3.5-0.8b --quant f16 --n 1,8 --prompt 4096 --warmup 3 \
-      --steps 6 --json "$OUT/tl_long_${v%%:*}.json" --trace-dir /tmp/trace > /tmp/long.md 2>&1
-    echo "== long ${v%%:*}"; grep -E "^N=|attention" /tmp/long.md | cut -c1-150
-  done ;;
-u3)  # after u2 (~5 min): tokens/s, decode-ahead, blocks sharing K or not, in turn, pinned
-  export PYTHONPATH=/tmp/site:$PWD
-  taskset -c 0-7 timeout ${TS:-300} python3 bench/mlx_env_sweep.py --model-dir $M --preset qwen3.5-0.8b \
-    --quant f16 --gen 32 --n ${TN:-1,8,32} --json "$OUT/u3_sweep.json" \
-    --setting one_1:ARGS=--overlap --setting blocks_1:SLOTSERVE_GEMV_MMA_BLOCKS=auto,ARGS=--overlap \
-    --setting blocks_2:SLOTSERVE_GEMV_MMA_BLOCKS=auto,ARGS=--overlap --setting one_2:ARGS=--overlap \
-    --setting both:SLOTSERVE_GEMV_MMA_BLOCKS=auto,SLOTSERVE_ARGMAX=1,ARGS=--overlap \
-    --setting pool_plain:SLOTSERVE_HOST_POOL=1 --setting plain: \
-    > "$OUT/u3_sweep.md" 2>&1; tail -n 16 "$OUT/u3_sweep.md" ;;
 q2)  # MLX, the 0.8B, llama.cpp's build; the tensor-core products' tests and timelines
   source .gpu_b/install-mlx-cuda.sh > "$OUT/q2_install.txt" 2>&1; tail -n 1 "$OUT/q2_install.txt"
   export PYTHONPATH=/tmp/site:$PWD
