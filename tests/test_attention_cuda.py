@@ -65,9 +65,13 @@ def test_the_one_kernel_decode_path_through_a_model(
 def test_the_decode_kernel_is_the_two_kernels_exactly(
     H: int, HKV: int, D: int, rope: int, dtype: mx.Dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Rows of one token at starts 0 (no past), 1, 37 and 300: the one kernel makes what
-    `prepare` then `attend` make, bit for bit — the output and the new keys and values."""
+    """Rows of one token at starts 0 (no past), 1, 37 and 300: the one kernel, one block a
+    row and head, makes what `prepare` then `attend` make, bit for bit — the output and the
+    new keys and values."""
     args, kw = _decode_inputs(H, HKV, D, rope, dtype, [0, 1, 37, 300])
+    # one block a row and head: a longer row's blocks merge to within rounding only
+    # (test_keys_shared_by_blocks); session 23's H200 run failed float32 here under the default
+    monkeypatch.setenv(attention_cuda.SPLIT_ENV, "0")
     monkeypatch.setenv(attention_cuda.DECODE_ENV, "0")
     want = attention_cuda.attention_cuda(*args, **kw)
     monkeypatch.setenv(attention_cuda.DECODE_ENV, "1")
