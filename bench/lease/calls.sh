@@ -114,6 +114,12 @@
 #  6. If time is left: the whole GPU test suite under the new defaults (never run with split
 #     attention, blocks sharing K and the host pool all on: `taskset -c 11-15 python3 -m
 #     pytest -q tests -k "cuda or gpu"`, ~8 min, beside step 4 if cores allow).
+# Session 23 ran l1, v2, v2b, v3 (two of three rounds), q4 (SNS=1,8,32 TS=350), q4 with
+# PROMPT=4096 SNS=1,8, and 235 s of the GPU tests: PERFORMANCE.md "Session 23" (h200_v30).
+# Next lease (session 24 plan): l1, v2 with the sampling change's GPU tests and a --sampled
+# timeline (the one-sort truncation and the blocked draw against session 23's 2.78 ms of
+# kernels); tokens/s at N = 32 of SLOTSERVE_HOST_POOL=0 against the defaults, alternated;
+# the rest of the GPU tests (422 not run under the new defaults), in two calls.
 # Session 19's plan (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
 # tree), q2 (carry .gpu_b .gpu_llama): MLX, the 0.8B, llama.cpp's build started; the tensor-core
 # staged products' GPU tests (cores 11-15 beside the build), timelines at N = 8 with them on,
