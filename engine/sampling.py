@@ -5,12 +5,20 @@ Three steps, each batched over rows on the device:
    over each row's token history;
 2. `distribution`: the row's sampling distribution p — temperature, top-k,
    top-p, min-p (greedy rows get a one-hot at the argmax);
-3. `draw`: a token per row by inverse CDF from a uniform that the request's own
-   seeded generator supplies, so a request samples the same tokens whatever
-   else shares its batch.
+3. `draw`: a token per row by inverse CDF, in vocabulary order, from a uniform
+   that the request's own seeded generator supplies, so a request samples the
+   same tokens whatever else shares its batch.
 
-`sample` does 2 and 3 for a step's rows the cheap way: one argmax for the greedy
-rows, one batched distribution and draw for the others.
+`sample` and `device_tokens` draw the token of 2 and 3 without the whole
+distribution: one argmax for the greedy rows; for a sampled row the weights
+exp(z - max z) of the tokens its truncation keeps, and the same inverse CDF over
+them. A row whose top-k is at most `CANDIDATES` finds its kept tokens among its
+`CANDIDATES` largest logits (a partition and a sort of those, not of the
+vocabulary); on the CPU the host draws in numpy (MLX's CPU sort and exp are
+several times slower there), widening its candidates until the truncation ends
+inside them. The tokens are those of `draw(distribution(...))` up to float
+rounding: they can differ only where a uniform falls within rounding of a step of
+the CDF, or where logits tie at the edge of a top-k.
 
 Speculative acceptance shapes its target and draft distributions with the same
 `distribution`, so both see identical temperature and truncation.
@@ -218,27 +226,67 @@ class Shaping:
     def _truncate(self, z: mx.array) -> mx.array:
         """Mask out (to -inf) what top-k, top-p and min-p exclude, per row."""
         _, _, k, top_p, min_p = self.arrays
-        V = z.shape[-1]
         order = mx.argsort(-z, axis=-1)
         zs = mx.take_along_axis(z, order, axis=-1)  # descending
-        rank = mx.arange(V)[None, :]
-        keep = rank < k
-        ps = mx.softmax(mx.where(keep, zs, -mx.inf), axis=-1)
-        before = mx.cumsum(ps, axis=-1) - ps  # mass strictly before this token
-        keep = keep & (before < top_p)
-        keep = keep & (ps >= min_p * ps[:, :1])
-        keep = keep | (rank == 0)  # the most likely token always survives
-        masked_sorted = mx.where(keep, zs, -mx.inf)
-        inverse = mx.argsort(order, axis=-1)
-        return mx.take_along_axis(masked_sorted, inverse, axis=-1)
+        masked_sorted = mx.where(_kept_of_sorted(zs, k, top_p, min_p), zs, -mx.inf)
+        # back to vocabulary order by a scatter (a second sort would cost as much as the first)
+        return mx.put_along_axis(mx.zeros_like(z), order, masked_sorted, axis=-1)
+
+
+def _kept_of_sorted(zs: mx.array, k: mx.array, top_p: mx.array, min_p: mx.array) -> mx.array:
+    """Which of a row's tokens, its logits `zs [N, C]` in descending order (the whole
+    vocabulary, or its C largest when top-k <= C), top-k, top-p and min-p keep: a prefix."""
+    rank = mx.arange(zs.shape[-1])[None, :]
+    keep = rank < k
+    ps = mx.softmax(mx.where(keep, zs, -mx.inf), axis=-1)
+    before = mx.cumsum(ps, axis=-1) - ps  # mass strictly before this token
+    keep = keep & (before < top_p)
+    keep = keep & (ps >= min_p * ps[:, :1])
+    return keep | (rank == 0)  # the most likely token always survives
+
+
+# `draw` over more tokens than this finds the block of `DRAW_BLOCK` first: a scan of a row of
+# the whole vocabulary runs in one GPU block a row (120 us for 8 x 248,320 on the H200)
+FLAT_DRAW_MAX = 4096
+DRAW_BLOCK = 1024
 
 
 def draw(probs: mx.array, uniforms: np.ndarray | mx.array) -> mx.array:
-    """One token per row by inverse CDF: the first token whose cumulative mass exceeds u."""
-    cdf = mx.cumsum(probs, axis=-1)
+    """One token per row of weights `probs [N, V]` (>= 0, any positive total) by inverse CDF:
+    the first token whose cumulative weight exceeds u times the row's total, `u [N]` in
+    [0, 1). Never a token of weight 0 (where rounding of the scan would point at one, the
+    next token of weight is drawn)."""
     u = mx.array(uniforms.astype(np.float32)) if isinstance(uniforms, np.ndarray) else uniforms
-    idx = (cdf <= u[:, None] * cdf[:, -1:]).sum(axis=-1)
-    return mx.minimum(idx, probs.shape[-1] - 1).astype(mx.int32)
+    N, V = probs.shape
+    if V <= FLAT_DRAW_MAX:
+        cdf = mx.cumsum(probs, axis=-1)
+        return _weighted_at_or_after(probs, (cdf <= u[:, None] * cdf[:, -1:]).sum(axis=-1))
+    # the block holding the draw, then the token inside it
+    B = -(-V // DRAW_BLOCK)
+    if B * DRAW_BLOCK > V:
+        probs = mx.concatenate([probs, mx.zeros((N, B * DRAW_BLOCK - V), probs.dtype)], axis=-1)
+    blocks = probs.reshape(N, B, DRAW_BLOCK)
+    sums = blocks.sum(axis=-1)
+    cum = mx.cumsum(sums, axis=-1)
+    target = u[:, None] * cum[:, -1:]
+    b = _weighted_at_or_after(sums, (cum <= target).sum(axis=-1))
+    at = mx.take_along_axis(cum, mx.maximum(b - 1, 0)[:, None], axis=-1)
+    before = mx.where(b[:, None] > 0, at, 0.0)  # [N, 1]: the weight of the blocks before
+    inside = mx.take_along_axis(blocks, b[:, None, None], axis=1).squeeze(1)  # [N, DRAW_BLOCK]
+    local = mx.cumsum(inside, axis=-1)
+    j = _weighted_at_or_after(inside, (local <= target - before).sum(axis=-1))
+    return (b * DRAW_BLOCK + j).astype(mx.int32)
+
+
+def _weighted_at_or_after(w: mx.array, i: mx.array) -> mx.array:
+    """Per row, the first position at or after `i [N]` whose weight in `w [N, V]` is
+    positive, else the row's last such: the draw of an inverse CDF whose scan rounding (a
+    parallel scan need not be monotone over zeros) or a u near 1 sent past its last step."""
+    pos = mx.arange(w.shape[-1])[None, :]
+    weighted = w > 0
+    last = mx.max(mx.where(weighted, pos, 0), axis=-1)
+    first_after = mx.min(mx.where(weighted & (pos >= i[:, None]), pos, w.shape[-1]), axis=-1)
+    return mx.minimum(first_after, last).astype(mx.int32)
 
 
 def sample(
@@ -251,7 +299,10 @@ def sample(
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled:
         return greedy_tokens(logits)
-    tokens = device_tokens(logits, params, [rngs[i].uniform(1)[0] for i in sampled])
+    uniforms = [rngs[i].uniform(1)[0] for i in sampled]
+    if on_host():
+        return host_tokens(np.asarray(logits.astype(mx.float32)), params, uniforms)
+    tokens = device_tokens(logits, params, uniforms)
     return host_pool.to_host(tokens)  # (as greedy tokens are read: `host_pool`)
 
 
@@ -260,17 +311,59 @@ def device_tokens(
 ) -> mx.array:
     """`sample`'s tokens as a device array, each sampled row's uniform given (in row order,
     one per sampled row), batched by kind: greedy rows by one argmax, the sampled rows by
-    one `distribution` and `draw` over just them."""
+    `_sampled_tokens` in at most two groups (top-k within `CANDIDATES`, or not)."""
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    greedy = argmax_rows(logits).astype(mx.int32)
     if not sampled:
-        return greedy
+        return argmax_rows(logits).astype(mx.int32)
     u = host_pool.array(uniforms, mx.float32)  # (host-made arrays of 8 bytes at most)
-    if len(sampled) == len(params):
-        return draw(distribution(logits, params), u)
-    rows = host_pool.ids(sampled)
-    greedy[rows] = draw(distribution(logits[rows], [params[i] for i in sampled]), u)
-    return greedy
+    # the sampled rows by how they truncate, so a row's kernels follow its own parameters
+    # whatever shares its batch
+    kinds = [[i for i in sampled if _by_candidates(params[i]) == c] for c in (True, False)]
+    groups = [g for g in kinds if g]
+    if len(groups) == 1 and len(sampled) == len(params):
+        return _sampled_tokens(logits, params, u)
+    if len(sampled) < len(params):
+        tokens = argmax_rows(logits).astype(mx.int32)
+    else:
+        tokens = mx.zeros((len(params),), dtype=mx.int32)
+    for group in groups:
+        rows = host_pool.ids(group)
+        ug = u if len(group) == len(sampled) else u[host_pool.ids(list(map(sampled.index, group)))]
+        tokens[rows] = _sampled_tokens(logits[rows], [params[i] for i in group], ug)
+    return tokens
+
+
+# A sampled row whose top-k is at most this many finds its kept tokens among this many
+# largest logits (`_sampled_tokens`)
+CANDIDATES = 1024
+
+
+def _by_candidates(p: SamplingParams) -> bool:
+    return 0 < p.top_k <= CANDIDATES
+
+
+def _sampled_tokens(logits: mx.array, params: Sequence[SamplingParams], u: mx.array) -> mx.array:
+    """The token of `draw(distribution(logits, params), u)` for sampled rows `[N, V]` of one
+    kind (every row's top-k at most `CANDIDATES`, or none's): the kept tokens' weights
+    exp(z - max z) in vocabulary order, drawn from as `draw` does."""
+    shaping = Shaping.of(params)
+    z = logits.astype(mx.float32) / shaping.arrays[1]
+    if not shaping.truncate:
+        return draw(mx.exp(z - z.max(axis=-1, keepdims=True)), u)
+    _, _, k, top_p, min_p = shaping.arrays
+    V = z.shape[-1]
+    if not _by_candidates(params[0]) or CANDIDATES >= V:
+        kept = shaping._truncate(z)
+        return draw(mx.exp(kept - z.max(axis=-1, keepdims=True)), u)
+    # the CANDIDATES largest logits, sorted; their kept prefix; back in vocabulary order
+    ids = mx.argpartition(-z, CANDIDATES - 1, axis=-1)[:, :CANDIDATES]
+    zc = mx.take_along_axis(z, ids, axis=-1)
+    order = mx.argsort(-zc, axis=-1)
+    zs, ids = mx.take_along_axis(zc, order, axis=-1), mx.take_along_axis(ids, order, axis=-1)
+    w = mx.where(_kept_of_sorted(zs, k, top_p, min_p), mx.exp(zs - zs[:, :1]), 0.0)
+    by_id = mx.argsort(ids, axis=-1)
+    w, ids = mx.take_along_axis(w, by_id, axis=-1), mx.take_along_axis(ids, by_id, axis=-1)
+    return mx.take_along_axis(ids, draw(w, u)[:, None], axis=-1).squeeze(-1).astype(mx.int32)
 
 
 def on_host() -> bool:
@@ -286,11 +379,74 @@ def greedy_tokens(logits: mx.array) -> np.ndarray:
     return host_pool.to_host(argmax_rows(logits))
 
 
+# The host's first guess of a row's kept tokens without a top-k (widened 8x until its
+# truncation ends inside them)
+HOST_CANDIDATES = 256
+
+
+def host_tokens(
+    logits: np.ndarray, params: Sequence[SamplingParams], uniforms: Sequence[float]
+) -> np.ndarray:
+    """`sample`'s tokens computed by the host from float32 logits `[N, V]` in host memory,
+    each sampled row's uniform given (in row order): greedy rows their argmax, sampled
+    rows as `_host_row` draws them."""
+    tokens = logits.argmax(axis=-1)
+    u = iter(uniforms)
+    for i, p in enumerate(params):
+        if not p.greedy:
+            tokens[i] = _host_row(logits[i], p, next(u))
+    return tokens
+
+
+def _host_row(logits: np.ndarray, p: SamplingParams, u: float) -> int:
+    """One sampled row's token: `draw(distribution(...))`'s rule in numpy. The kept tokens
+    are found among the row's largest logits — its top-k, or `HOST_CANDIDATES` widened
+    until the kept prefix ends strictly above the smallest candidate (then no token outside
+    could be kept, ties included) — and drawn from in vocabulary order, the CDF in float64."""
+    z = logits / np.float32(p.temperature)
+    V = z.size
+    m = z.max()
+    if not (p.top_k or p.top_p < 1.0 or p.min_p > 0.0):
+        return _host_draw(np.arange(V), np.exp(z - m), u)
+    k = p.top_k if 0 < p.top_k < V else V
+    c = k if k < V else min(V, HOST_CANDIDATES)
+    while True:
+        ids = np.argpartition(-z, c - 1)[:c] if c < V else np.arange(V)
+        ids.sort()  # (so the stable sort puts equal logits in vocabulary order)
+        ids = ids[np.argsort(-z[ids], kind="stable")]
+        zs = z[ids]
+        e = np.exp(zs - m)
+        ps = e / (e.sum() if k < V else np.exp(z - m).sum(dtype=np.float32))
+        keep = (np.cumsum(ps) - ps < p.top_p) & (ps >= p.min_p * ps[0])
+        n = int(keep.argmin()) if not keep.all() else c
+        n = max(n, 1)  # the most likely token always survives
+        if k < V or c == V or (n < c and zs[n - 1] > zs[-1]):
+            kept = np.sort(ids[:n])
+            return _host_draw(kept, np.exp(z[kept] - m), u)
+        c = min(V, c * 8)
+
+
+def _host_draw(ids: np.ndarray, w: np.ndarray, u: float) -> int:
+    """`draw` over tokens `ids` (ascending) of weights `w`: the first whose cumulative
+    weight exceeds u times the total, never one of weight 0."""
+    cdf = np.cumsum(w, dtype=np.float64)
+    j = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(ids) - 1)
+    if w[j] <= 0:
+        weighted = np.flatnonzero(w)
+        after = weighted[weighted >= j]
+        j = int(after[0] if after.size else weighted[-1])
+    return int(ids[j])
+
+
 def top_logprobs(logits: mx.array, n: int) -> tuple[mx.array, mx.array, mx.array]:
     """Log-softmax of the (adjusted) logits: `(logprobs [N, V], top ids [N, n], their logprobs)`."""
     lp = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
     if n == 0:
         empty = mx.zeros((logits.shape[0], 0))
         return lp, empty.astype(mx.int32), empty
-    ids = mx.argsort(-lp, axis=-1)[:, :n]
-    return lp, ids, mx.take_along_axis(lp, ids, axis=-1)
+    # the n largest by a partition, then sorted (not a sort of the vocabulary)
+    ids = mx.argpartition(-lp, n - 1, axis=-1)[:, :n] if n < lp.shape[-1] else None
+    top = lp if ids is None else mx.take_along_axis(lp, ids, axis=-1)
+    order = mx.argsort(-top, axis=-1)
+    ids = order if ids is None else mx.take_along_axis(ids, order, axis=-1)
+    return lp, ids.astype(mx.int32), mx.take_along_axis(top, order, axis=-1)

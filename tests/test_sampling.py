@@ -8,13 +8,18 @@ import pytest
 from scipy import stats
 
 from engine.sampling import (
+    CANDIDATES,
+    DRAW_BLOCK,
+    HOST_CANDIDATES,
     RequestRng,
     SamplingError,
     SamplingParams,
+    _weighted_at_or_after,
     adjust_logits,
     device_tokens,
     distribution,
     draw,
+    host_tokens,
     sample,
     top_logprobs,
 )
@@ -174,3 +179,110 @@ def test_top_logprobs_are_normalised_and_sorted() -> None:
 def test_out_of_range_parameters_are_rejected(params: SamplingParams) -> None:
     with pytest.raises(SamplingError):
         params.validate(V)
+
+
+# A vocabulary past `draw`'s flat scan and `CANDIDATES` (and not a multiple of `DRAW_BLOCK`)
+BIG_V = 20_011
+KINDS = [
+    SamplingParams(temperature=0.9),
+    SamplingParams(temperature=0.7, top_k=20, top_p=0.8),  # Qwen's recommended settings
+    SamplingParams(temperature=1.0, top_p=0.9),
+    SamplingParams(temperature=1.0, min_p=0.05),
+    SamplingParams(temperature=1.2, top_k=CANDIDATES),  # the candidates' largest top-k
+    SamplingParams(temperature=1.2, top_k=CANDIDATES + 1, top_p=0.95),  # past them
+]
+
+
+def reference_tokens(
+    z32: np.ndarray, p: SamplingParams, us: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The rule in float64 from one row's logits (distinct values): the token of each u, and
+    how far u is from the nearest step of the CDF (relative to the total)."""
+    z = z32.astype(np.float64) / p.temperature
+    order = np.argsort(-z, kind="stable")
+    zs = z[order]
+    k = p.top_k if p.top_k else z.size
+    e = np.exp(zs - zs[0]) * (np.arange(z.size) < k)
+    ps = e / e.sum()
+    keep = (np.arange(z.size) < k) & (np.cumsum(ps) - ps < p.top_p) & (ps >= p.min_p * ps[0])
+    keep[0] = True
+    w = np.zeros(z.size)
+    w[order[keep]] = np.exp(zs[keep] - zs[0])
+    cdf = np.cumsum(w) / w.sum()
+    tokens = np.searchsorted(cdf, us, side="right")
+    steps = np.concatenate([[0.0], cdf[w > 0]])
+    margin = np.abs(us[:, None] - steps[None, :]).min(axis=1)
+    return tokens, margin
+
+
+@pytest.mark.parametrize("p", KINDS, ids=str)
+def test_every_path_draws_the_reference_token_from_a_large_vocabulary(p: SamplingParams) -> None:
+    """`sample` (the host's numpy), `device_tokens` (partitioned candidates, blocked draw)
+    and `draw(distribution(...))` give the float64 rule's token for each uniform, except
+    where u lies within rounding of a step of the CDF."""
+    row = np.random.default_rng(7).normal(0, 3, BIG_V).astype(np.float32)
+    us = np.random.default_rng(8).random(48)
+    want, margin = reference_tokens(row, p, us)
+    x = mx.array(np.broadcast_to(row, (us.size, BIG_V)).copy())
+    params = [p] * us.size
+    clear = margin > 1e-5
+    assert clear.sum() >= 0.9 * us.size
+    paths = {
+        "sample": host_tokens(np.array(x), params, us.tolist()),
+        "device_tokens": np.array(device_tokens(x, params, us.tolist())),
+        "draw(distribution)": np.array(draw(distribution(x, params), us)),
+    }
+    for name, got in paths.items():
+        assert got[clear].tolist() == want[clear].tolist(), name
+
+
+@pytest.mark.parametrize("V", [100, 3 * DRAW_BLOCK + 5])
+def test_draw_never_picks_a_token_of_weight_zero(V: int) -> None:
+    """Whatever u, a draw lands on weight — the first weighted token at u = 0, the last at
+    the largest u below 1 — flat or blocked (weight on both sides of a block's edge)."""
+    w = np.zeros(V, dtype=np.float32)
+    weighted = [3, V // 2, V - 7] if V < DRAW_BLOCK else [3, DRAW_BLOCK - 1, DRAW_BLOCK, V - 7]
+    w[weighted] = [0.5, 1.0, 2.0, 0.5][: len(weighted)]
+    us = np.array([0.0, 1e-12, 0.3, 0.7, 1 - 1e-7, np.nextafter(np.float32(1), 0)])
+    got = np.array(draw(mx.array(np.broadcast_to(w, (us.size, V)).copy()), us)).tolist()
+    assert set(got) <= set(weighted)
+    assert got[0] == weighted[0] and got[-1] == weighted[-1]
+
+
+def test_a_draw_sent_to_weight_zero_by_rounding_moves_to_the_next_weighted_token() -> None:
+    """Where a scan's rounding (a GPU's parallel scan need not be monotone over zeros) or a
+    u near 1 points a draw at weight 0 or past the row, it takes the next weighted token,
+    else the last."""
+    w = mx.array([[0.0, 0.0, 1.0, 0.0, 2.0, 0.0]] * 5)
+    i = mx.array([0, 3, 4, 5, 6])
+    assert np.array(_weighted_at_or_after(w, i)).tolist() == [2, 4, 4, 4, 4]
+
+
+def test_a_sampled_row_on_the_device_draws_the_same_token_whatever_shares_its_batch() -> None:
+    """`device_tokens` runs a row by the kind of its own truncation (candidates or the whole
+    vocabulary), so a row alone and the same row among others of every kind draw alike."""
+    rng = np.random.default_rng(12)
+    params = [*KINDS, SamplingParams(temperature=0.0), *KINDS[:2]]
+    x = mx.array(rng.normal(0, 3, (len(params), 3000)).astype(np.float32))
+    u = rng.random(len(params))
+    batch = np.array(device_tokens(x, params, [u[i] for i, p in enumerate(params) if not p.greedy]))
+    for i, p in enumerate(params):
+        alone = device_tokens(x[i : i + 1], [p], [] if p.greedy else [u[i]])
+        assert int(alone[0]) == batch[i]
+
+
+def test_the_host_keeps_tied_logits_in_vocabulary_order_as_a_full_sort_would() -> None:
+    """More tied logits than `HOST_CANDIDATES` at the edge of a nucleus: the host widens its
+    candidates until none outside could be kept, so exactly the lowest-numbered ties are."""
+    V, ties = 4000, HOST_CANDIDATES + 100
+    z = np.full(V, -5.0, dtype=np.float32)
+    at = np.random.default_rng(3).choice(V, ties, replace=False)
+    z[at] = 2.0  # each tie ~1/ties of the mass: a top-p of 0.1 keeps ~ties/10 of them
+    p = SamplingParams(temperature=1.0, top_p=0.1)
+    us = np.linspace(0.0, 0.999, 400)
+    got = {
+        int(t)
+        for t in host_tokens(np.broadcast_to(z, (us.size, V)).copy(), [p] * us.size, us.tolist())
+    }
+    want, _ = reference_tokens(z, p, us)
+    assert got == set(want.tolist()) and got <= set(np.sort(at)[: ties // 5].tolist())
