@@ -1,0 +1,99 @@
+"""Milliseconds to sample one token per row from a vocabulary's logits, by sampling kind.
+
+For each vocabulary size V, row count N and kind of `SamplingParams`:
+
+* `sample`: what the scheduler's plain decode calls — on the CPU the host's numpy path
+  (`engine.sampling.host_tokens`), on a GPU `device_tokens` and the read-back;
+* `device_tokens`: the tokens as MLX computes them (what decode-ahead queues), evaluated;
+* `draw(distribution)`: the whole distribution and a draw from it — the peer in the same
+  run (what `sample` computed before session 23, less a second sort: `git log` of
+  engine/sampling.py).
+
+Logits are bf16 values of N(0, 3) (bf16 ties, as a model's), one set per (V, N). Best of
+`--repeat` timings of `--number` calls each. Run it with another tree on PYTHONPATH to
+compare versions (it uses only `sample`, `draw` and `distribution` where `device_tokens`
+is missing).
+
+    .venv/bin/python bench/sampling_speed.py [--vocab 151936,248320] [--n 1,8,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import harness  # noqa: F401  (puts the repository root on sys.path)
+import mlx.core as mx
+import numpy as np
+
+from engine import sampling
+from engine.sampling import RequestRng, SamplingParams, distribution, draw, sample
+
+KINDS = {
+    "temperature 0.8": SamplingParams(temperature=0.8),
+    "top-k 20, top-p 0.8 (Qwen's)": SamplingParams(temperature=0.7, top_k=20, top_p=0.8),
+    "top-p 0.9": SamplingParams(temperature=1.0, top_p=0.9),
+    "min-p 0.05": SamplingParams(temperature=1.0, min_p=0.05),
+}
+
+
+def best_ms(fn: Callable[[], object], number: int, repeat: int) -> float:
+    fn()  # (warm-up: kernels and caches)
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        for _ in range(number):
+            fn()
+        times.append((time.perf_counter() - t) / number * 1e3)
+    return min(times)
+
+
+def measure(V: int, N: int, p: SamplingParams, number: int, repeat: int) -> dict[str, float]:
+    rng = np.random.default_rng(V + N)
+    logits = mx.array(rng.normal(0, 3, (N, V)).astype(np.float32)).astype(mx.bfloat16)
+    mx.eval(logits)
+    params, rngs = [p] * N, [RequestRng(i) for i in range(N)]
+    u = np.random.default_rng(1).random(N)
+    out = {"sample": best_ms(lambda: sample(logits, params, rngs), number, repeat)}
+    device_tokens = getattr(sampling, "device_tokens", None)
+    if device_tokens is not None:
+        out["device_tokens"] = best_ms(
+            lambda: mx.eval(device_tokens(logits, params, u.tolist())), number, repeat
+        )
+    out["draw(distribution)"] = best_ms(
+        lambda: mx.eval(draw(distribution(logits.astype(mx.float32), params), u)), number, repeat
+    )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vocab", default="151936,248320")
+    ap.add_argument("--n", default="1,8,32")
+    ap.add_argument("--number", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", help="write the rows here too")
+    args = ap.parse_args()
+    print(f"mlx {mx.__version__} on {mx.default_device()}")
+    print("| V | N | kind | sample ms | device_tokens ms | draw(distribution) ms |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for V in map(int, args.vocab.split(",")):
+        for N in map(int, args.n.split(",")):
+            for name, p in KINDS.items():
+                r = measure(V, N, p, args.number, args.repeat)
+                rows.append({"V": V, "N": N, "kind": name, **r})
+                cells = [
+                    f"{r[k]:.2f}" if k in r else "-"
+                    for k in ("sample", "device_tokens", "draw(distribution)")
+                ]
+                print(f"| {V} | {N} | {name} | " + " | ".join(cells) + " |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
