@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import functools
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 import mlx.core as mx
 import numpy as np
@@ -225,12 +226,16 @@ class Shaping:
 
     def _truncate(self, z: mx.array) -> mx.array:
         """Mask out (to -inf) what top-k, top-p and min-p exclude, per row."""
-        _, _, k, top_p, min_p = self.arrays
-        order = mx.argsort(-z, axis=-1)
-        zs = mx.take_along_axis(z, order, axis=-1)  # descending
-        masked_sorted = mx.where(_kept_of_sorted(zs, k, top_p, min_p), zs, -mx.inf)
-        # back to vocabulary order by a scatter (a second sort would cost as much as the first)
-        return mx.put_along_axis(mx.zeros_like(z), order, masked_sorted, axis=-1)
+        return _truncated(z, *self.arrays[2:])
+
+
+def _truncated(z: mx.array, k: mx.array, top_p: mx.array, min_p: mx.array) -> mx.array:
+    """`z [N, V]` with what top-k, top-p and min-p exclude masked to -inf, per row."""
+    order = mx.argsort(-z, axis=-1)
+    zs = mx.take_along_axis(z, order, axis=-1)  # descending
+    masked_sorted = mx.where(_kept_of_sorted(zs, k, top_p, min_p), zs, -mx.inf)
+    # back to vocabulary order by a scatter (a second sort would cost as much as the first)
+    return mx.put_along_axis(mx.zeros_like(z), order, masked_sorted, axis=-1)
 
 
 def _kept_of_sorted(zs: mx.array, k: mx.array, top_p: mx.array, min_p: mx.array) -> mx.array:
@@ -345,17 +350,40 @@ def _by_candidates(p: SamplingParams) -> bool:
 def _sampled_tokens(logits: mx.array, params: Sequence[SamplingParams], u: mx.array) -> mx.array:
     """The token of `draw(distribution(logits, params), u)` for sampled rows `[N, V]` of one
     kind (every row's top-k at most `CANDIDATES`, or none's): the kept tokens' weights
-    exp(z - max z) in vocabulary order, drawn from as `draw` does."""
+    exp(z - max z) in vocabulary order, drawn from as `draw` does. One compiled function a
+    kind (MLX fuses its element-wise steps: fewer launches on a GPU, where the host's
+    launches bound a decode step)."""
     shaping = Shaping.of(params)
-    z = logits.astype(mx.float32) / shaping.arrays[1]
+    _, temp, *truncation = shaping.arrays
     if not shaping.truncate:
-        return draw(mx.exp(z - z.max(axis=-1, keepdims=True)), u)
-    _, _, k, top_p, min_p = shaping.arrays
-    V = z.shape[-1]
-    if not _by_candidates(params[0]) or CANDIDATES >= V:
-        kept = shaping._truncate(z)
-        return draw(mx.exp(kept - z.max(axis=-1, keepdims=True)), u)
+        return _compiled("plain")(logits, temp, u)
+    if not _by_candidates(params[0]) or logits.shape[-1] <= CANDIDATES:
+        return _compiled("sorted")(logits, temp, u, *truncation)
+    return _compiled("candidates")(logits, temp, u, *truncation)
+
+
+@functools.cache
+def _compiled(kind: str) -> Callable[..., mx.array]:
+    return cast(Callable[..., mx.array], mx.compile(_DRAWS[kind]))
+
+
+def _plain_draw(logits: mx.array, temp: mx.array, u: mx.array) -> mx.array:
+    z = logits.astype(mx.float32) / temp
+    return draw(mx.exp(z - z.max(axis=-1, keepdims=True)), u)
+
+
+def _sorted_draw(
+    logits: mx.array, temp: mx.array, u: mx.array, k: mx.array, top_p: mx.array, min_p: mx.array
+) -> mx.array:
+    z = logits.astype(mx.float32) / temp
+    return draw(mx.exp(_truncated(z, k, top_p, min_p) - z.max(axis=-1, keepdims=True)), u)
+
+
+def _candidates_draw(
+    logits: mx.array, temp: mx.array, u: mx.array, k: mx.array, top_p: mx.array, min_p: mx.array
+) -> mx.array:
     # the CANDIDATES largest logits, sorted; their kept prefix; back in vocabulary order
+    z = logits.astype(mx.float32) / temp
     ids = mx.argpartition(-z, CANDIDATES - 1, axis=-1)[:, :CANDIDATES]
     zc = mx.take_along_axis(z, ids, axis=-1)
     order = mx.argsort(-zc, axis=-1)
@@ -364,6 +392,13 @@ def _sampled_tokens(logits: mx.array, params: Sequence[SamplingParams], u: mx.ar
     by_id = mx.argsort(ids, axis=-1)
     w, ids = mx.take_along_axis(w, by_id, axis=-1), mx.take_along_axis(ids, by_id, axis=-1)
     return mx.take_along_axis(ids, draw(w, u)[:, None], axis=-1).squeeze(-1).astype(mx.int32)
+
+
+_DRAWS: dict[str, Callable[..., mx.array]] = {
+    "plain": _plain_draw,
+    "sorted": _sorted_draw,
+    "candidates": _candidates_draw,
+}
 
 
 def on_host() -> bool:
