@@ -116,10 +116,19 @@
 #     pytest -q tests -k "cuda or gpu"`, ~8 min, beside step 4 if cores allow).
 # Session 23 ran l1, v2, v2b, v3 (two of three rounds), q4 (SNS=1,8,32 TS=350), q4 with
 # PROMPT=4096 SNS=1,8, and 235 s of the GPU tests: PERFORMANCE.md "Session 23" (h200_v30).
-# Next lease (session 24 plan): l1, v2 with the sampling change's GPU tests and a --sampled
-# timeline (the one-sort truncation and the blocked draw against session 23's 2.78 ms of
-# kernels); tokens/s at N = 32 of SLOTSERVE_HOST_POOL=0 against the defaults, alternated;
-# the rest of the GPU tests (422 not run under the new defaults), in two calls.
+# Next lease (session 24 plan, ~25 min): make .gpu_old first (on this machine:
+#   mkdir -p .gpu_old && git archive 1fd5c45 engine bench/harness.py | tar -x -C .gpu_old &&
+#   cp bench/sampling_speed.py .gpu_old/bench/ — sampling as it was, for w3).
+#  1. l1 (carry .gpu_a .gpu_w; the demo model out of the tree).
+#  2. w2 (carry .gpu_b .gpu_llama, ~6 min): MLX, the 0.8B, llama.cpp's build; the sampling
+#     tests on the GPU (tests/test_sampling.py: every path against the float64 rule, the
+#     compiled draws); the --sampled timeline (top-k 40: the candidates path; session 23's
+#     2.78 ms of kernels, 199 launches) and the plain one beside it.
+#  3. w3 (carry .gpu_old, ~5 min): bench/sampling_speed.py on the GPU, before (.gpu_old) and
+#     after, N = 1, 8, 32, twice alternated; then tokens/s at N = 32, SLOTSERVE_HOST_POOL=0
+#     against the defaults, alternated (session 23: the new defaults lost at N = 32 twice).
+#  4. w4, w4 again (~9 min each): the GPU tests not yet run under session 22's defaults
+#     (422 of 487: TK selects the files; the first 65 passed in session 23, one since fixed).
 # Session 19's plan (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
 # tree), q2 (carry .gpu_b .gpu_llama): MLX, the 0.8B, llama.cpp's build started; the tensor-core
 # staged products' GPU tests (cores 11-15 beside the build), timelines at N = 8 with them on,
@@ -358,6 +367,34 @@ p4)  # the staged kernel's loads moved earlier (SLOTSERVE_GEMV_STAGE_AHEAD, _STA
   SLOTSERVE_GEMV_STAGE_AHEAD=rows SLOTSERVE_GEMV_STAGED_UNROLL=2 timeout 100 python3 \
     bench/gpu_timeline.py --model-dir $M --n 8 --json "$OUT/p4_timeline.json" --trace-dir /tmp/trace \
     > "$OUT/p4_timeline.md" 2>&1; grep -v Warn "$OUT/p4_timeline.md" | head -16 ;;
+w2)  # carry .gpu_b .gpu_llama, after l1 (session 24 plan): MLX, the 0.8B, llama.cpp's build;
+  # the sampling tests on the GPU; timelines of a sampled and a plain step
+  source .gpu_b/install-mlx-cuda.sh > /tmp/w2_install.txt 2>&1; tail -n 1 /tmp/w2_install.txt
+  export PYTHONPATH=/tmp/site:$PWD
+  LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > /tmp/w2_setup.txt 2>&1
+  taskset -c 11-15 timeout ${TT:-150} python3 -m pytest -q -p no:cacheprovider -rf \
+    tests/test_sampling.py > "$OUT/w2_tests.txt" 2>&1
+  tail -n 4 "$OUT/w2_tests.txt"
+  R2=${W2:-sampled::--sampled plain::-} bash "$0" tl ;;
+w3)  # carry .gpu_old, after w2: sampling before / after on the GPU; the pool at 32 rows
+  export PYTHONPATH=/tmp/site
+  for side in new old new old; do
+    if [ $side = old ]; then dir=.gpu_old; else dir=.; fi
+    (cd $dir && taskset -c 0-7 timeout 70 python3 bench/sampling_speed.py --vocab 248320 \
+      --n 1,8,32 --number 3 --repeat 3) > "/tmp/w3_$side.md" 2>&1
+    { echo "== $side"; cat "/tmp/w3_$side.md"; } >> "$OUT/w3_sampling.md"
+  done
+  grep -E "^==|\| 8 \|" "$OUT/w3_sampling.md"
+  export PYTHONPATH=/tmp/site:$PWD
+  S=""; for i in 1 2; do
+    S="$S --setting pool_$i:ARGS=--overlap --setting nopool_$i:SLOTSERVE_HOST_POOL=0,ARGS=--overlap"; done
+  taskset -c 0-7 timeout ${TS:-150} python3 bench/mlx_env_sweep.py --model-dir $M \
+    --preset qwen3.5-0.8b --quant f16 --gen 32 --n 32 --json "$OUT/w3_sweep.json" $S \
+    > "$OUT/w3_sweep.md" 2>&1; tail -n 6 "$OUT/w3_sweep.md" ;;
+w4)  # the GPU tests, TK selecting the files (a call's 9 minutes hold about half of them)
+  export PYTHONPATH=/tmp/site:$PWD
+  timeout ${TT:-540} python3 -m pytest -q -p no:cacheprovider -rf ${TK:-tests} -k "cuda or gpu" \
+    > "$OUT/w4_tests.txt" 2>&1; tail -n 8 "$OUT/w4_tests.txt" ;;
 *)
   echo "usage: bash bench/lease/calls.sh c1|...|c9" >&2; exit 2 ;;
 esac
