@@ -356,10 +356,11 @@ class ModelRunner:
                 ]
                 out = self._draft_fn(key, layout, True, at_once=True)(inputs, [state.k, state.v])
                 made += self._pin(key, *out)
-        shapings = [  # greedy only; sampled; sampled with truncation
+        shapings = [  # greedy only; sampled; truncated by top-k (candidates), by top-p (a sort)
             SamplingParams(temperature=0.0),
             SamplingParams(temperature=1.0),
             SamplingParams(top_k=40),
+            SamplingParams(top_p=0.9),
         ]
         for depth in sorted(set(depths)):
             if not 1 <= depth <= max(1, self.pool.max_draft):

@@ -179,11 +179,14 @@ class Shaping:
     `arrays`: greedy `[N, 1]` bool, temperature `[N, 1]`, and when `truncate` (some sampled
     row truncates) top_k, top_p and min_p `[N, 1]`. `greedy_only`: every row is greedy (a
     static part too: such rows' draws are their argmax, their q a point mass nobody needs).
+    `candidates`: every sampled row's top-k is at most `CANDIDATES` (static: its kept
+    tokens are found among that many largest logits, not by sorting the vocabulary).
     """
 
     truncate: bool
     arrays: tuple[mx.array, ...]
     greedy_only: bool = False
+    candidates: bool = False
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams]) -> Shaping:
@@ -195,12 +198,13 @@ class Shaping:
         top_k = mx.array([p.top_k if p.top_k > 0 else every for p in params])[:, None]
         top_p = mx.array([p.top_p for p in params], dtype=mx.float32)[:, None]
         min_p = mx.array([p.min_p for p in params], dtype=mx.float32)[:, None]
-        return cls(True, (greedy, temp, top_k, top_p, min_p))
+        by_candidates = all(_by_candidates(p) for p in params if not p.greedy)
+        return cls(True, (greedy, temp, top_k, top_p, min_p), candidates=by_candidates)
 
     @property
-    def key(self) -> tuple[bool, bool]:
+    def key(self) -> tuple[bool, bool, bool]:
         """The static part a compiled graph keys on."""
-        return self.truncate, self.greedy_only
+        return self.truncate, self.greedy_only, self.candidates
 
     def padded(self, n: int) -> Shaping:
         """The same rows and `n` more shaped as the first (rows padding a batch)."""
@@ -218,9 +222,13 @@ class Shaping:
         logits = logits.astype(mx.float32)
         V = logits.shape[-1]
         z = logits / temp
-        if self.truncate:
-            z = self._truncate(z)
-        probs = mx.softmax(z, axis=-1)
+        if self.candidates and V > CANDIDATES:
+            ids, w = _candidate_weights(z, *self.arrays[2:])
+            probs = mx.put_along_axis(
+                mx.zeros_like(z), ids, w / w.sum(axis=-1, keepdims=True), axis=-1
+            )
+        else:
+            probs = mx.softmax(self._truncate(z) if self.truncate else z, axis=-1)
         one_hot = mx.arange(V)[None, :] == mx.argmax(logits, axis=-1, keepdims=True)
         return mx.where(greedy, one_hot.astype(mx.float32), probs)
 
@@ -382,16 +390,23 @@ def _sorted_draw(
 def _candidates_draw(
     logits: mx.array, temp: mx.array, u: mx.array, k: mx.array, top_p: mx.array, min_p: mx.array
 ) -> mx.array:
-    # the CANDIDATES largest logits, sorted; their kept prefix; back in vocabulary order
-    z = logits.astype(mx.float32) / temp
+    ids, w = _candidate_weights(logits.astype(mx.float32) / temp, k, top_p, min_p)
+    by_id = mx.argsort(ids, axis=-1)  # (the draw runs in vocabulary order)
+    w, ids = mx.take_along_axis(w, by_id, axis=-1), mx.take_along_axis(ids, by_id, axis=-1)
+    return mx.take_along_axis(ids, draw(w, u)[:, None], axis=-1).squeeze(-1).astype(mx.int32)
+
+
+def _candidate_weights(
+    z: mx.array, k: mx.array, top_p: mx.array, min_p: mx.array
+) -> tuple[mx.array, mx.array]:
+    """A row's `CANDIDATES` largest logits of `z [N, V]`, in descending order: their ids and
+    weights exp(z - max z), 0 where top-k, top-p or min-p drops them (every row's top-k at
+    most `CANDIDATES`, so nothing outside them is kept)."""
     ids = mx.argpartition(-z, CANDIDATES - 1, axis=-1)[:, :CANDIDATES]
     zc = mx.take_along_axis(z, ids, axis=-1)
     order = mx.argsort(-zc, axis=-1)
     zs, ids = mx.take_along_axis(zc, order, axis=-1), mx.take_along_axis(ids, order, axis=-1)
-    w = mx.where(_kept_of_sorted(zs, k, top_p, min_p), mx.exp(zs - zs[:, :1]), 0.0)
-    by_id = mx.argsort(ids, axis=-1)
-    w, ids = mx.take_along_axis(w, by_id, axis=-1), mx.take_along_axis(ids, by_id, axis=-1)
-    return mx.take_along_axis(ids, draw(w, u)[:, None], axis=-1).squeeze(-1).astype(mx.int32)
+    return ids, mx.where(_kept_of_sorted(zs, k, top_p, min_p), mx.exp(zs - zs[:, :1]), 0.0)
 
 
 _DRAWS: dict[str, Callable[..., mx.array]] = {

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from engine.sampling import (
     RequestRng,
     SamplingError,
     SamplingParams,
+    Shaping,
     _weighted_at_or_after,
     adjust_logits,
     device_tokens,
@@ -234,6 +237,22 @@ def test_every_path_draws_the_reference_token_from_a_large_vocabulary(p: Samplin
     }
     for name, got in paths.items():
         assert got[clear].tolist() == want[clear].tolist(), name
+
+
+@pytest.mark.parametrize("p", [KINDS[1], KINDS[4]], ids=["qwen", "top_k_1024"])
+def test_a_top_k_distribution_from_candidates_is_the_sorted_one(p: SamplingParams) -> None:
+    """`distribution` of rows whose top-k is at most `CANDIDATES` (a partition, no sort of
+    the vocabulary) has the support and, to float rounding, the values of the whole sort's,
+    a greedy row beside them still its one-hot."""
+    params = [p, SamplingParams(temperature=0.0), p]
+    x = mx.array(np.random.default_rng(5).normal(0, 3, (3, BIG_V)).astype(np.float32))
+    shaping = Shaping.of(params)
+    assert shaping.candidates
+    got = np.array(shaping(x))
+    want = np.array(replace(shaping, candidates=False)(x))
+    assert np.array_equal(got > 0, want > 0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-9)
+    assert got[1].max() == 1.0 and got[1].argmax() == np.array(x[1]).argmax()
 
 
 @pytest.mark.parametrize("V", [100, 3 * DRAW_BLOCK + 5])

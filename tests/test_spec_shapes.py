@@ -173,7 +173,8 @@ def test_precompiled_mtp_shapes_serve_a_drifting_batch_without_a_cold_draft(mode
             # widths 1, 2, 4 x past buckets 0, 64, 128: decode; verify at depths 1-4; the
             # catch-up of K + 1 tokens a row; of 64 (pasts 0, 64 only); chains 1 deep (no
             # past), 2 deep, 4 deep (pasts 64, 128), each greedy only, sampled, truncating
-            mtp = 3 * 3 + 3 * 2 + (3 + 3 * 3 + 3 * 2) * 3
+            # by top-k (candidates) and by top-p (a sort)
+            mtp = 3 * 3 + 3 * 2 + (3 + 3 * 3 + 3 * 2) * 4
             assert spec.precompile() == 3 * 3 + K * 3 * 3 + mtp
             assert spec.precompile() == 0
         drafts = ColdDrafts(runner)
