@@ -126,7 +126,8 @@
 #     2.78 ms of kernels, 199 launches) and the plain one beside it.
 #  3. w3 (carry .gpu_old, ~5 min): bench/sampling_speed.py on the GPU, before (.gpu_old) and
 #     after, N = 1, 8, 32, twice alternated; then tokens/s at N = 32, SLOTSERVE_HOST_POOL=0
-#     against the defaults, alternated (session 23: the new defaults lost at N = 32 twice).
+#     and SLOTSERVE_ATTENTION_SPLIT=0 against the defaults, alternated (session 23: the new
+#     defaults lost at N = 32 twice; 128-token rows split in two blocks a head).
 #  4. w4, w4 again (~9 min each): the GPU tests not yet run under session 22's defaults
 #     (422 of 487: TK selects the files; the first 65 passed in session 23, one since fixed).
 # Session 19's plan (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
@@ -387,8 +388,9 @@ w3)  # carry .gpu_old, after w2: sampling before / after on the GPU; the pool at
   grep -E "^==|\| 8 \|" "$OUT/w3_sampling.md"
   export PYTHONPATH=/tmp/site:$PWD
   S=""; for i in 1 2; do
-    S="$S --setting pool_$i:ARGS=--overlap --setting nopool_$i:SLOTSERVE_HOST_POOL=0,ARGS=--overlap"; done
-  taskset -c 0-7 timeout ${TS:-150} python3 bench/mlx_env_sweep.py --model-dir $M \
+    S="$S --setting pool_$i:ARGS=--overlap --setting nopool_$i:SLOTSERVE_HOST_POOL=0,ARGS=--overlap"
+    S="$S --setting nosplit_$i:SLOTSERVE_ATTENTION_SPLIT=0,ARGS=--overlap"; done
+  taskset -c 0-7 timeout ${TS:-200} python3 bench/mlx_env_sweep.py --model-dir $M \
     --preset qwen3.5-0.8b --quant f16 --gen 32 --n 32 --json "$OUT/w3_sweep.json" $S \
     > "$OUT/w3_sweep.md" 2>&1; tail -n 6 "$OUT/w3_sweep.md" ;;
 w4)  # the GPU tests, TK selecting the files (a call's 9 minutes hold about half of them)
