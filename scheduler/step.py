@@ -46,7 +46,7 @@ import numpy as np
 from engine.cache import PoolError, SlotId
 from engine.kernels import host_pool
 from engine.runner import BatchError, ModelRunner, PendingStep, Row, RowOutput
-from engine.sampling import on_host, top_logprobs
+from engine.sampling import on_host, token_logprobs
 from engine.spec.controller import CostController
 from engine.spec.speculator import (
     Committed,
@@ -588,9 +588,7 @@ def _logprobs(logits: list[mx.array], tokens: list[int], seq: Seq) -> list[Token
         return []
     if len(logits) != len(tokens):
         raise ValueError(f"{len(tokens)} tokens committed with {len(logits)} logit rows")
-    lp, ids, vals = top_logprobs(mx.stack(logits), n)
-    chosen = np.array(lp[mx.arange(len(tokens)), mx.array(tokens)])
-    top_ids, top_vals = np.array(ids), np.array(vals)
+    chosen, top_ids, top_vals = token_logprobs(mx.stack(logits), tokens, n)
     return [
         TokenLogprob(
             t,

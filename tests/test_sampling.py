@@ -17,6 +17,8 @@ from engine.sampling import (
     SamplingError,
     SamplingParams,
     Shaping,
+    _device_logprobs,
+    _host_logprobs,
     _weighted_at_or_after,
     adjust_logits,
     device_tokens,
@@ -24,7 +26,6 @@ from engine.sampling import (
     draw,
     host_tokens,
     sample,
-    top_logprobs,
 )
 
 V = 50
@@ -160,12 +161,6 @@ def test_a_sampled_row_draws_the_same_token_whatever_shares_its_batch() -> None:
         alone = sample(x[i : i + 1], [p], [RequestRng(100 + i)])
         batch = sample(x, MIXED, [RequestRng(100 + j) for j in range(len(MIXED))])
         assert alone[0] == batch[i]
-
-
-def test_top_logprobs_are_normalised_and_sorted() -> None:
-    lp, ids, top = top_logprobs(logits(), 5)
-    assert abs(float(mx.logsumexp(lp[0]).item())) < 1e-5
-    assert np.all(np.diff(np.array(top[0])) <= 0) and ids.shape == (1, 5)
 
 
 @pytest.mark.parametrize(
@@ -305,3 +300,24 @@ def test_the_host_keeps_tied_logits_in_vocabulary_order_as_a_full_sort_would() -
     }
     want, _ = reference_tokens(z, p, us)
     assert got == set(want.tolist()) and got <= set(np.sort(at)[: ties // 5].tolist())
+
+
+@pytest.mark.parametrize("V_", [V, BIG_V])
+def test_token_logprobs_are_the_log_softmax_and_its_top_n_in_order(V_: int) -> None:
+    """The chosen tokens' and the top n's log-probabilities are log-softmax values (float64
+    reference), the top n the n largest, most likely first; by the host and on the device
+    (there equal values may come in any order: the ties are checked by value)."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(0, 3, (3, V_)).astype(np.float32)
+    x[1, :7] = x[1].max() + 1.0  # ties at the top: listed by id
+    tokens = [5, 0, V_ - 1]
+    ref = x.astype(np.float64) - np.log(np.exp(x.astype(np.float64)).sum(-1, keepdims=True))
+    host = _host_logprobs(x, tokens, 5)
+    assert host[1][1].tolist() == [0, 1, 2, 3, 4]  # (the host lists equal values by id)
+    for chosen, ids, top in (host, _device_logprobs(mx.array(x), tokens, 5)):
+        np.testing.assert_allclose(chosen, ref[np.arange(3), tokens], atol=1e-4)
+        np.testing.assert_allclose(top, np.take_along_axis(ref, ids, -1), atol=1e-4)
+        assert ids.shape == (3, 5) and np.all(np.diff(top, axis=-1) <= 0)
+        assert set(ids[1].tolist()) <= set(range(7))
+        want = np.sort(ref, axis=-1)[:, ::-1][:, :5]
+        np.testing.assert_allclose(top, want, atol=1e-4)
