@@ -7,12 +7,15 @@ For each vocabulary size V, row count N and kind of `SamplingParams`:
 * `device_tokens`: the tokens as MLX computes them (what decode-ahead queues), evaluated;
 * `draw(distribution)`: the whole distribution and a draw from it — the peer in the same
   run (what `sample` computed before session 23, less a second sort: `git log` of
-  engine/sampling.py).
+  engine/sampling.py);
+* `logprobs`: a logprobs request's per-step work (the chosen token's and the top 5's
+  log-probabilities on the host), under the kind "logprobs 5" (`token_logprobs`, or before
+  it `top_logprobs` and the reads the stepper made).
 
-Logits are bf16 values of N(0, 3) (bf16 ties, as a model's), one set per (V, N). Best of
-`--repeat` timings of `--number` calls each. Run it with another tree on PYTHONPATH to
-compare versions (it uses only `sample`, `draw` and `distribution` where `device_tokens`
-is missing).
+Logits are bf16 values of N(0, 3) (bf16 ties, as a model's) in float32 (the runner's
+logits), one set per (V, N). Best of `--repeat` timings of `--number` calls each. To time
+another version, copy this script into that tree's bench/ (beside its harness.py) and run
+it there: it falls back to what older trees have.
 
     .venv/bin/python bench/sampling_speed.py [--vocab 151936,248320] [--n 1,8,32]
 """
@@ -36,6 +39,7 @@ KINDS = {
     "top-k 20, top-p 0.8 (Qwen's)": SamplingParams(temperature=0.7, top_k=20, top_p=0.8),
     "top-p 0.9": SamplingParams(temperature=1.0, top_p=0.9),
     "min-p 0.05": SamplingParams(temperature=1.0, min_p=0.05),
+    "logprobs 5": SamplingParams(temperature=0.0, logprobs=5),
 }
 
 
@@ -52,7 +56,9 @@ def best_ms(fn: Callable[[], object], number: int, repeat: int) -> float:
 
 def measure(V: int, N: int, p: SamplingParams, number: int, repeat: int) -> dict[str, float]:
     rng = np.random.default_rng(V + N)
+    # bf16 values in float32, as the runner hands logits over
     logits = mx.array(rng.normal(0, 3, (N, V)).astype(np.float32)).astype(mx.bfloat16)
+    logits = logits.astype(mx.float32)
     mx.eval(logits)
     params, rngs = [p] * N, [RequestRng(i) for i in range(N)]
     u = np.random.default_rng(1).random(N)
@@ -62,10 +68,21 @@ def measure(V: int, N: int, p: SamplingParams, number: int, repeat: int) -> dict
         out["device_tokens"] = best_ms(
             lambda: mx.eval(device_tokens(logits, params, u.tolist())), number, repeat
         )
+    if p.logprobs:
+        out["logprobs"] = best_ms(lambda: logprobs(logits, p.logprobs), number, repeat)
+        return out
     out["draw(distribution)"] = best_ms(
-        lambda: mx.eval(draw(distribution(logits.astype(mx.float32), params), u)), number, repeat
+        lambda: mx.eval(draw(distribution(logits, params), u)), number, repeat
     )
     return out
+
+
+def logprobs(logits: mx.array, n: int) -> object:
+    tokens = list(range(logits.shape[0]))
+    if hasattr(sampling, "token_logprobs"):
+        return sampling.token_logprobs(logits, tokens, n)
+    lp, ids, vals = sampling.top_logprobs(logits, n)  # (before session 23)
+    return np.array(lp[mx.arange(len(tokens)), mx.array(tokens)]), np.array(ids), np.array(vals)
 
 
 def main() -> None:
@@ -77,18 +94,16 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args()
     print(f"mlx {mx.__version__} on {mx.default_device()}")
-    print("| V | N | kind | sample ms | device_tokens ms | draw(distribution) ms |")
-    print("|---|---|---|---|---|---|")
+    columns = ("sample", "device_tokens", "draw(distribution)", "logprobs")
+    print("| V | N | kind | " + " | ".join(f"{c} ms" for c in columns) + " |")
+    print("|---|---|---|" + "---|" * len(columns))
     rows = []
     for V in map(int, args.vocab.split(",")):
         for N in map(int, args.n.split(",")):
             for name, p in KINDS.items():
                 r = measure(V, N, p, args.number, args.repeat)
                 rows.append({"V": V, "N": N, "kind": name, **r})
-                cells = [
-                    f"{r[k]:.2f}" if k in r else "-"
-                    for k in ("sample", "device_tokens", "draw(distribution)")
-                ]
+                cells = [f"{r[k]:.2f}" if k in r else "-" for k in columns]
                 print(f"| {V} | {N} | {name} | " + " | ".join(cells) + " |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
