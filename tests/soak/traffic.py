@@ -149,11 +149,14 @@ class Traffic:
         return p.TokenPrompt([self.rng.randrange(1, self.vocab) for _ in range(n)])
 
     def _sampling(self) -> dict[str, object]:
-        """Greedy or seeded sampling; a third of either with penalties and a logit bias (the
-        host-side adjustments decode-ahead must apply on the device)."""
+        """Greedy or seeded sampling (top-p alone: a sort of the vocabulary; or Qwen's
+        top-k 20 with top-p: its candidates); a third of either with penalties and a logit
+        bias (the host-side adjustments decode-ahead must apply on the device)."""
         fields: dict[str, object] = {"temperature": 0.0}
         if self.rng.random() >= 0.5:
             fields = {"temperature": 0.8, "top_p": 0.9, "seed": self.rng.randrange(1 << 30)}
+            if self.rng.random() < 0.5:
+                fields |= {"temperature": 0.7, "top_k": 20, "top_p": 0.8}
         if self.rng.random() < 1 / 3:
             fields |= {"repetition_penalty": 1.2, "presence_penalty": 0.4}
             fields |= {"frequency_penalty": 0.3, "logit_bias": {7: 2.0, 11: -3.0}}
