@@ -24,6 +24,7 @@ from engine.sampling import (
     device_tokens,
     distribution,
     draw,
+    draw_block,
     host_tokens,
     sample,
 )
@@ -213,15 +214,19 @@ def reference_tokens(
     return tokens, margin
 
 
+@pytest.mark.parametrize("V_", [BIG_V, 21 * 970], ids=["padded", "divided"])
 @pytest.mark.parametrize("p", KINDS, ids=str)
-def test_every_path_draws_the_reference_token_from_a_large_vocabulary(p: SamplingParams) -> None:
-    """`sample` (the host's numpy), `device_tokens` (partitioned candidates, blocked draw)
-    and `draw(distribution(...))` give the float64 rule's token for each uniform, except
-    where u lies within rounding of a step of the CDF."""
-    row = np.random.default_rng(7).normal(0, 3, BIG_V).astype(np.float32)
+def test_every_path_draws_the_reference_token_from_a_large_vocabulary(
+    p: SamplingParams, V_: int
+) -> None:
+    """`sample` (the host's numpy), `device_tokens` (partitioned candidates, blocked draw:
+    a prime vocabulary padded to blocks of 1,024, or one blocked by a divisor) and
+    `draw(distribution(...))` give the float64 rule's token for each uniform, except where
+    u lies within rounding of a step of the CDF."""
+    row = np.random.default_rng(7).normal(0, 3, V_).astype(np.float32)
     us = np.random.default_rng(8).random(48)
     want, margin = reference_tokens(row, p, us)
-    x = mx.array(np.broadcast_to(row, (us.size, BIG_V)).copy())
+    x = mx.array(np.broadcast_to(row, (us.size, V_)).copy())
     params = [p] * us.size
     clear = margin > 1e-5
     assert clear.sum() >= 0.9 * us.size
@@ -250,12 +255,13 @@ def test_a_top_k_distribution_from_candidates_is_the_sorted_one(p: SamplingParam
     assert got[1].max() == 1.0 and got[1].argmax() == np.array(x[1]).argmax()
 
 
-@pytest.mark.parametrize("V", [100, 3 * DRAW_BLOCK + 5])
+@pytest.mark.parametrize("V", [100, 3 * DRAW_BLOCK + 5, 5 * 970])
 def test_draw_never_picks_a_token_of_weight_zero(V: int) -> None:
     """Whatever u, a draw lands on weight — the first weighted token at u = 0, the last at
     the largest u below 1 — flat or blocked (weight on both sides of a block's edge)."""
     w = np.zeros(V, dtype=np.float32)
-    weighted = [3, V // 2, V - 7] if V < DRAW_BLOCK else [3, DRAW_BLOCK - 1, DRAW_BLOCK, V - 7]
+    L = draw_block(V)
+    weighted = [3, V // 2, V - 7] if V < DRAW_BLOCK else [3, L - 1, L, V - 7]
     w[weighted] = [0.5, 1.0, 2.0, 0.5][: len(weighted)]
     us = np.array([0.0, 1e-12, 0.3, 0.7, 1 - 1e-7, np.nextafter(np.float32(1), 0)])
     got = np.array(draw(mx.array(np.broadcast_to(w, (us.size, V)).copy()), us)).tolist()
@@ -321,3 +327,8 @@ def test_token_logprobs_are_the_log_softmax_and_its_top_n_in_order(V_: int) -> N
         assert set(ids[1].tolist()) <= set(range(7))
         want = np.sort(ref, axis=-1)[:, ::-1][:, :5]
         np.testing.assert_allclose(top, want, atol=1e-4)
+
+
+def test_a_vocabulary_is_blocked_by_a_divisor_where_it_has_one() -> None:
+    assert draw_block(248_320) == 970 and draw_block(151_936) == 1187
+    assert draw_block(BIG_V) == DRAW_BLOCK  # (a prime: padded)
