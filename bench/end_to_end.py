@@ -11,7 +11,9 @@ the first timed round paid the compile of the N-prompt prefill; on a fresh H200 
 * engine: `ModelRunner` alone (bench/peers.py `Ours`): per round one batched prefill of the
   N prompts, then `tokens - 1` batched decode steps, argmax on the device;
 * scheduler: the real `Scheduler` in this process (no sockets), N requests submitted in one
-  tick per round and collected;
+  tick per round and collected; with `--sampling KIND ...`, again for each kind of sampled
+  request (seeded: "temperature" 0.8; "qwen", Qwen's recommended 0.7 with top-k 20 and
+  top-p 0.8; "top-p" 0.9 at 1.0) — what sampling costs a step over greedy decoding;
 * daemon: `slotserve serve` as a subprocess on an ipc socket, driven by `slotserve loadgen`'s
   closed loop (concurrency N, N x rounds requests) from this process; then again with the
   daemon's prefix cache off (`--no-no-cache-row` skips it): the scheduler row has no cache.
@@ -40,6 +42,7 @@ import numpy as np
 from peers import Ours
 from scheduler_overhead import Bench, percentile
 
+from engine.sampling import SamplingParams
 from transport import loadgen, loadreport
 from transport.daemon import compute_dtype, kv_dtype_for, on_a_gpu_if_auto
 from transport.daemon.demo import Supervised
@@ -63,7 +66,17 @@ def engine_rounds(path: Path, args: argparse.Namespace, vocab: int) -> dict[str,
     return {"tokens": args.n * args.tokens * args.rounds, "wall_s": sum(walls)}
 
 
-async def scheduler_rounds(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+SAMPLING = {
+    "greedy": SamplingParams(temperature=0.0),
+    "temperature": SamplingParams(temperature=0.8, seed=1),
+    "qwen": SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=1),
+    "top-p": SamplingParams(temperature=1.0, top_p=0.9, seed=1),
+}
+
+
+async def scheduler_rounds(
+    path: Path, args: argparse.Namespace, sampling: str = "greedy"
+) -> dict[str, Any]:
     dtype, kv = _dtypes(args)
     context = args.prompt + args.tokens + 8
     ahead = on_a_gpu_if_auto(args.decode_ahead)
@@ -75,7 +88,8 @@ async def scheduler_rounds(path: Path, args: argparse.Namespace) -> dict[str, An
         for r in range(args.warmup_rounds + args.rounds):
             t0 = time.perf_counter()
             handles = [
-                scheduler.submit(bench.request(args.prompt, args.tokens)) for _ in range(args.n)
+                scheduler.submit(bench.request(args.prompt, args.tokens, SAMPLING[sampling]))
+                for _ in range(args.n)
             ]
             results = [await h.collect() for h in handles]
             if r >= args.warmup_rounds:
@@ -159,8 +173,11 @@ def main() -> None:
     rows = record["rows"]
     rows["engine"] = engine_rounds(path, args, vocab)
     rows["scheduler"] = anyio.run(scheduler_rounds, path, args)
-    rows["daemon + loadgen"] = daemon_rounds(path, args, tmp)
-    if args.no_cache_row:
+    for kind in args.sampling:
+        rows[f"scheduler, {kind} sampling"] = anyio.run(scheduler_rounds, path, args, kind)
+    if args.daemon:
+        rows["daemon + loadgen"] = daemon_rounds(path, args, tmp)
+    if args.daemon and args.no_cache_row:
         rows["daemon, no prefix cache"] = daemon_rounds(path, args, tmp, prefix_cache=False)
     base = rows["engine"]["tokens"] / rows["engine"]["wall_s"]
     table = []
@@ -220,6 +237,19 @@ def parse_args() -> argparse.Namespace:
         default=True,
         help="also the daemon with its prefix cache off (it snapshots every prompt and every "
         "finished request to host memory on the step thread; the scheduler row has none)",
+    )
+    p.add_argument(
+        "--sampling",
+        nargs="*",
+        default=[],
+        choices=[k for k in SAMPLING if k != "greedy"],
+        help="also the scheduler with sampled requests of these kinds",
+    )
+    p.add_argument(
+        "--daemon",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the daemon rows (--no-daemon: the engine and scheduler rows only)",
     )
     p.add_argument("--out", type=Path, help="JSON path")
     return p.parse_args()

@@ -77,12 +77,14 @@ class Bench:
         )
         return Scheduler(runner, self.tokenizer, config)
 
-    def request(self, prompt_len: int, max_tokens: int) -> Request:
+    def request(
+        self, prompt_len: int, max_tokens: int, sampling: SamplingParams = GREEDY
+    ) -> Request:
         vocab = self.model.config.n_vocab
         ids = [self.rng.randrange(0, vocab - 16) for _ in range(prompt_len)]
         return Request(
             prompt=ids,
-            sampling=GREEDY,
+            sampling=sampling,
             max_tokens=max_tokens,
             ignore_eos=True,
             speculation=Speculation.OFF,
