@@ -315,10 +315,11 @@ def _weighted_at_or_after(w: mx.array, i: mx.array) -> mx.array:
 def sample(
     logits: mx.array, params: Sequence[SamplingParams], rngs: Sequence[RequestRng]
 ) -> np.ndarray:
-    """One token per row of (adjusted) logits `[N, V]`: exactly the tokens of
-    `draw(distribution(logits, params), u)`, each sampled row's u from its request's
-    generator (`device_tokens`, read back). Greedy rows draw no uniform: their token does
-    not depend on it."""
+    """One token per row of (adjusted) logits `[N, V]`: the tokens of
+    `draw(distribution(logits, params), u)` (to float rounding: the module's docstring),
+    each sampled row's u from its request's generator — on the CPU drawn by the host
+    (`host_tokens`), on a device by `device_tokens` and read back. Greedy rows draw no
+    uniform: their token does not depend on it."""
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if not sampled:
         return greedy_tokens(logits)
