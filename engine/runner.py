@@ -26,7 +26,7 @@ from engine.cache import SlotId, SlotPool
 from engine.kernels import host_pool
 from engine.models.batch import AttentionState, Layout, LinearCapture
 from engine.models.qwen35 import Model, MTPHead
-from engine.sampling import SamplingParams, Shaping, draw
+from engine.sampling import SamplingParams, Shaping, draw, precompile_draws
 
 
 class BatchError(ValueError):
@@ -308,6 +308,8 @@ class ModelRunner:
             tokens = mx.zeros((width,), dtype=mx.int32)
             key, (logits, _, new, _, _, _) = self._decode_forward(slots, [start] * width, tokens)
             made += self._pin(key, logits, new)
+        if made:  # and the sampled rows' draws, compiled once a kind (not counted: not steps)
+            precompile_draws(self.model.config.n_vocab)
         return made
 
     def precompile_verify(self, depths: Sequence[int], taps: tuple[int, ...] = ()) -> int:

@@ -357,6 +357,17 @@ def device_tokens(
     return tokens
 
 
+def precompile_draws(vocab: int, widths: Sequence[int] = (1, 2, 4)) -> None:
+    """Run each kind of device draw (temperature only, top-k's candidates, a sorted top-p)
+    once at these row counts over zero logits of `vocab` tokens: on a GPU the first draw of
+    a kind compiles its fused kernels, which would stall the first sampled step of a daemon
+    (`ModelRunner.precompile_decode` calls this before serving)."""
+    kinds = [SamplingParams(temperature=1.0), SamplingParams(top_k=40), SamplingParams(top_p=0.9)]
+    for n in widths:
+        logits = mx.zeros((n, vocab), dtype=mx.float32)
+        mx.eval(*(device_tokens(logits, [p] * n, [0.5] * n) for p in kinds))
+
+
 # A sampled row whose top-k is at most this many finds its kept tokens among this many
 # largest logits (`_sampled_tokens`)
 CANDIDATES = 1024
