@@ -128,6 +128,8 @@
 #     after, N = 1, 8, 32, twice alternated; then tokens/s at N = 32, SLOTSERVE_HOST_POOL=0
 #     and SLOTSERVE_ATTENTION_SPLIT=0 against the defaults, alternated (session 23: the new
 #     defaults lost at N = 32 twice; 128-token rows split in two blocks a head).
+#     Also: how long a daemon's first sampled step waits on a fresh process (the draws' fused
+#     kernels compile; `precompile_draws` runs them at precompile) — a timeline's warm-up.
 #  4. w4, w4 again (~9 min each): the GPU tests not yet run under session 22's defaults
 #     (422 of 487: TK selects the files; the first 65 passed in session 23, one since fixed).
 # Session 19's plan (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
