@@ -134,32 +134,38 @@ def adjust_logits(
     logits: mx.array, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]]
 ) -> mx.array:
     """Apply logit bias and penalties. logits `[N, V]` float32; `histories[i]` are the
-    tokens row i has seen (prompt and output) for the penalties."""
+    tokens row i has seen (prompt and output) for the penalties. A row's tokens are counted
+    by numpy (a request thousands of tokens long is counted in a fraction of a millisecond,
+    where a dict took milliseconds a row every step)."""
     rows, cols, deltas, scales = [], [], [], []
     for i, (p, hist) in enumerate(zip(params, histories, strict=True)):
         if p.unadjusted:
             continue
-        tokens: dict[int, int] = {}
-        if p.penalized:
-            for t in hist:
-                tokens[t] = tokens.get(t, 0) + 1
-        bias = dict(p.logit_bias)
-        for t in sorted(set(tokens) | set(bias)):
-            count = tokens.get(t, 0)
-            rows.append(i)
-            cols.append(t)
-            scales.append(p.repetition_penalty if count else 1.0)
-            deltas.append(
-                bias.get(t, 0.0)
-                - (p.presence_penalty if count else 0.0)
-                - p.frequency_penalty * count
-            )
-    if not rows:
+        tokens, counts = np.zeros(0, np.int64), np.zeros(0, np.int64)
+        if p.penalized and len(hist):
+            tokens, counts = np.unique(np.asarray(hist, dtype=np.int64), return_counts=True)
+        bias = np.zeros(len(tokens))
+        if p.logit_bias:
+            given = dict(p.logit_bias)  # (the last value of a token given twice)
+            biased = np.array(list(given), dtype=np.int64)
+            every = np.union1d(tokens, biased)
+            counted = np.zeros(len(every), np.int64)
+            counted[np.searchsorted(every, tokens)] = counts
+            bias = np.zeros(len(every))
+            bias[np.searchsorted(every, biased)] = list(given.values())
+            tokens, counts = every, counted
+        seen = counts > 0
+        rows.append(np.full(len(tokens), i))
+        cols.append(tokens)
+        scales.append(np.where(seen, p.repetition_penalty, 1.0))
+        deltas.append(bias - np.where(seen, p.presence_penalty, 0.0) - p.frequency_penalty * counts)
+    if not rows or not sum(map(len, rows)):
         return logits
-    r, c = mx.array(rows, dtype=mx.int32), mx.array(cols, dtype=mx.int32)
+    r = mx.array(np.concatenate(rows).astype(np.int32))
+    c = mx.array(np.concatenate(cols).astype(np.int32))
     x = logits[r, c]
-    scale = mx.array(scales, dtype=mx.float32)
-    x = mx.where(x > 0, x / scale, x * scale) + mx.array(deltas, dtype=mx.float32)
+    scale = mx.array(np.concatenate(scales).astype(np.float32))
+    x = mx.where(x > 0, x / scale, x * scale) + mx.array(np.concatenate(deltas).astype(np.float32))
     out = mx.array(logits)
     out[r, c] = x
     return out

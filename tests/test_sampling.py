@@ -90,6 +90,35 @@ def test_penalties_and_bias_follow_llama_cpp_formulas() -> None:
     np.testing.assert_allclose(out, [2.0 / 2 - 0.5 - 0.25, -2.0 * 2 - 0.5 - 0.5, 1.0, 5.5])
 
 
+def test_penalties_and_bias_over_long_histories_match_the_formulas_row_by_row() -> None:
+    """Rows with penalties only, a bias only, both (biased tokens seen and unseen, one given
+    twice), none, and an empty history: each logit as the formulas give it, counted by hand."""
+    rng = np.random.default_rng(6)
+    x = rng.normal(0, 2, (5, V)).astype(np.float32)
+    histories = [rng.integers(0, V, 3000).tolist() for _ in range(4)] + [[]]
+    pen = {"repetition_penalty": 1.3, "presence_penalty": 0.7, "frequency_penalty": 0.05}
+    bias = ((3, 4.0), (int(histories[2][0]), -2.5), (3, 1.5))
+    params = [
+        SamplingParams(**pen),
+        SamplingParams(logit_bias=bias),
+        SamplingParams(logit_bias=bias, **pen),
+        SamplingParams(),
+        SamplingParams(logit_bias=bias, **pen),
+    ]
+    got = np.array(adjust_logits(mx.array(x), params, histories))
+    want = x.astype(np.float64)
+    for i, (p, hist) in enumerate(zip(params, histories, strict=True)):
+        counts = np.bincount(hist, minlength=V) if p.penalized else np.zeros(V, int)
+        b = np.zeros(V)
+        for t, v in dict(p.logit_bias).items():
+            b[t] = v
+        seen = counts > 0
+        scale = np.where(seen, p.repetition_penalty, 1.0)
+        row = np.where(want[i] > 0, want[i] / scale, want[i] * scale)
+        want[i] = row + b - np.where(seen, p.presence_penalty, 0.0) - p.frequency_penalty * counts
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+
+
 def test_draws_follow_the_distribution() -> None:
     x = logits(seed=3)
     p = np.array(distribution(x, [SamplingParams(temperature=0.8, top_k=10)]))[0]
