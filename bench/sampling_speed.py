@@ -8,6 +8,9 @@ For each vocabulary size V, row count N and kind of `SamplingParams`:
 * `draw(distribution)`: the whole distribution and a draw from it — the peer in the same
   run (what `sample` computed before session 23, less a second sort: `git log` of
   engine/sampling.py);
+* `adjust_logits`: the penalties' step work over histories of `--history` tokens, under the
+  kind "presence 1.5 + repetition 1.05" (Qwen's advice against repetition, beside its
+  sampling settings);
 * `logprobs`: a logprobs request's per-step work (the chosen token's and the top 5's
   log-probabilities on the host), under the kind "logprobs 5" (`token_logprobs`, or before
   it `top_logprobs` and the reads the stepper made).
@@ -40,6 +43,9 @@ KINDS = {
     "top-p 0.9": SamplingParams(temperature=1.0, top_p=0.9),
     "min-p 0.05": SamplingParams(temperature=1.0, min_p=0.05),
     "logprobs 5": SamplingParams(temperature=0.0, logprobs=5),
+    "presence 1.5 + repetition 1.05": SamplingParams(
+        temperature=0.7, top_k=20, top_p=0.8, presence_penalty=1.5, repetition_penalty=1.05
+    ),
 }
 
 
@@ -54,7 +60,9 @@ def best_ms(fn: Callable[[], object], number: int, repeat: int) -> float:
     return min(times)
 
 
-def measure(V: int, N: int, p: SamplingParams, number: int, repeat: int) -> dict[str, float]:
+def measure(
+    V: int, N: int, p: SamplingParams, number: int, repeat: int, history: int = 4096
+) -> dict[str, float]:
     rng = np.random.default_rng(V + N)
     # bf16 values in float32, as the runner hands logits over
     logits = mx.array(rng.normal(0, 3, (N, V)).astype(np.float32)).astype(mx.bfloat16)
@@ -68,6 +76,12 @@ def measure(V: int, N: int, p: SamplingParams, number: int, repeat: int) -> dict
         out["device_tokens"] = best_ms(
             lambda: mx.eval(device_tokens(logits, params, u.tolist())), number, repeat
         )
+    if p.penalized:
+        histories = [rng.integers(0, V, history).tolist() for _ in range(N)]
+        out["adjust_logits"] = best_ms(
+            lambda: mx.eval(sampling.adjust_logits(logits, params, histories)), number, repeat
+        )
+        return out
     if p.logprobs:
         out["logprobs"] = best_ms(lambda: logprobs(logits, p.logprobs), number, repeat)
         return out
@@ -91,17 +105,18 @@ def main() -> None:
     ap.add_argument("--n", default="1,8,32")
     ap.add_argument("--number", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--history", type=int, default=4096, help="tokens a penalized row has seen")
     ap.add_argument("--json", help="write the rows here too")
     args = ap.parse_args()
     print(f"mlx {mx.__version__} on {mx.default_device()}")
-    columns = ("sample", "device_tokens", "draw(distribution)", "logprobs")
+    columns = ("sample", "device_tokens", "draw(distribution)", "adjust_logits", "logprobs")
     print("| V | N | kind | " + " | ".join(f"{c} ms" for c in columns) + " |")
     print("|---|---|---|" + "---|" * len(columns))
     rows = []
     for V in map(int, args.vocab.split(",")):
         for N in map(int, args.n.split(",")):
             for name, p in KINDS.items():
-                r = measure(V, N, p, args.number, args.repeat)
+                r = measure(V, N, p, args.number, args.repeat, args.history)
                 rows.append({"V": V, "N": N, "kind": name, **r})
                 cells = [f"{r[k]:.2f}" if k in r else "-" for k in columns]
                 print(f"| {V} | {N} | {name} | " + " | ".join(cells) + " |", flush=True)
