@@ -30,7 +30,7 @@ import functools
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import cast
+from typing import Any, cast
 
 import mlx.core as mx
 import numpy as np
@@ -134,32 +134,20 @@ def adjust_logits(
     logits: mx.array, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]]
 ) -> mx.array:
     """Apply logit bias and penalties. logits `[N, V]` float32; `histories[i]` are the
-    tokens row i has seen (prompt and output) for the penalties. A row's tokens are counted
-    by numpy (a request thousands of tokens long is counted in a fraction of a millisecond,
-    where a dict took milliseconds a row every step)."""
-    rows, cols, deltas, scales = [], [], [], []
+    tokens row i has seen (prompt and output) for the penalties."""
+    rows: list[Any] = []
+    cols: list[Any] = []
+    deltas: list[Any] = []
+    scales: list[Any] = []
     for i, (p, hist) in enumerate(zip(params, histories, strict=True)):
         if p.unadjusted:
             continue
-        tokens, counts = np.zeros(0, np.int64), np.zeros(0, np.int64)
-        if p.penalized and len(hist):
-            tokens, counts = np.unique(np.asarray(hist, dtype=np.int64), return_counts=True)
-        bias = np.zeros(len(tokens))
-        if p.logit_bias:
-            given = dict(p.logit_bias)  # (the last value of a token given twice)
-            biased = np.array(list(given), dtype=np.int64)
-            every = np.union1d(tokens, biased)
-            counted = np.zeros(len(every), np.int64)
-            counted[np.searchsorted(every, tokens)] = counts
-            bias = np.zeros(len(every))
-            bias[np.searchsorted(every, biased)] = list(given.values())
-            tokens, counts = every, counted
-        seen = counts > 0
-        rows.append(np.full(len(tokens), i))
+        tokens, row_scales, row_deltas = _row_adjustments(p, hist if p.penalized else ())
+        rows.append([i] * len(tokens))
         cols.append(tokens)
-        scales.append(np.where(seen, p.repetition_penalty, 1.0))
-        deltas.append(bias - np.where(seen, p.presence_penalty, 0.0) - p.frequency_penalty * counts)
-    if not rows or not sum(map(len, rows)):
+        scales.append(row_scales)
+        deltas.append(row_deltas)
+    if not sum(map(len, rows)):
         return logits
     r = mx.array(np.concatenate(rows).astype(np.int32))
     c = mx.array(np.concatenate(cols).astype(np.int32))
@@ -169,6 +157,39 @@ def adjust_logits(
     out = mx.array(logits)
     out[r, c] = x
     return out
+
+
+def _row_adjustments(p: SamplingParams, history: Sequence[int]) -> tuple[Any, Any, Any]:
+    """One row's adjusted tokens, each one's scale (the repetition penalty where seen) and
+    delta (bias less the presence and frequency penalties), as lists or arrays. A long
+    history is counted by numpy (a dict took milliseconds a row every step at thousands of
+    tokens); a short one by a dict, which beats numpy's per-call cost there."""
+    bias = dict(p.logit_bias)  # (the last value of a token given twice)
+    if len(history) < 64:
+        seen: dict[int, int] = {}
+        for t in history:
+            seen[t] = seen.get(t, 0) + 1
+        tokens = sorted(seen.keys() | bias.keys())
+        n = [seen.get(t, 0) for t in tokens]
+        scale = [p.repetition_penalty if c else 1.0 for c in n]
+        delta = [
+            bias.get(t, 0.0) - (p.presence_penalty if c else 0.0) - p.frequency_penalty * c
+            for t, c in zip(tokens, n, strict=True)
+        ]
+        return tokens, scale, delta
+    ids, counts = np.unique(np.asarray(history, dtype=np.int64), return_counts=True)
+    given = np.zeros(len(ids))
+    if bias:
+        biased = np.array(list(bias), dtype=np.int64)
+        every = np.union1d(ids, biased)
+        counted = np.zeros(len(every), np.int64)
+        counted[np.searchsorted(every, ids)] = counts
+        given = np.zeros(len(every))
+        given[np.searchsorted(every, biased)] = list(bias.values())
+        ids, counts = every, counted
+    hit = counts > 0
+    penalized = given - np.where(hit, p.presence_penalty, 0.0) - p.frequency_penalty * counts
+    return ids, np.where(hit, p.repetition_penalty, 1.0), penalized
 
 
 def distribution(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:
