@@ -40,7 +40,7 @@ import harness
 import mlx.core as mx
 import numpy as np
 from peers import Ours
-from scheduler_overhead import Bench, percentile
+from scheduler_overhead import GREEDY, Bench, percentile
 
 from engine.sampling import SamplingParams
 from transport import loadgen, loadreport
@@ -67,7 +67,7 @@ def engine_rounds(path: Path, args: argparse.Namespace, vocab: int) -> dict[str,
 
 
 SAMPLING = {
-    "greedy": SamplingParams(temperature=0.0),
+    "greedy": GREEDY,
     "temperature": SamplingParams(temperature=0.8, seed=1),
     "qwen": SamplingParams(temperature=0.7, top_k=20, top_p=0.8, seed=1),
     "top-p": SamplingParams(temperature=1.0, top_p=0.9, seed=1),

@@ -368,8 +368,11 @@ def device_tokens(
         return argmax_rows(logits).astype(mx.int32)
     u = host_pool.array(uniforms, mx.float32)  # (host-made arrays of 8 bytes at most)
     # the sampled rows by how they truncate, so a row's kernels follow its own parameters
-    # whatever shares its batch
-    kinds = [[i for i in sampled if _by_candidates(params[i]) == c] for c in (True, False)]
+    # whatever shares its batch: (its place among the sampled rows, its row) a kind
+    kinds = [
+        [(j, i) for j, i in enumerate(sampled) if _by_candidates(params[i]) == c]
+        for c in (True, False)
+    ]
     groups = [g for g in kinds if g]
     if len(groups) == 1 and len(sampled) == len(params):
         return _sampled_tokens(logits, params, u)
@@ -378,9 +381,10 @@ def device_tokens(
     else:
         tokens = mx.zeros((len(params),), dtype=mx.int32)
     for group in groups:
-        rows = host_pool.ids(group)
-        ug = u if len(group) == len(sampled) else u[host_pool.ids(list(map(sampled.index, group)))]
-        tokens[rows] = _sampled_tokens(logits[rows], [params[i] for i in group], ug)
+        at, rows = (list(x) for x in zip(*group, strict=True))
+        ug = u if len(group) == len(sampled) else u[host_pool.ids(at)]
+        picked = host_pool.ids(rows)
+        tokens[picked] = _sampled_tokens(logits[picked], [params[i] for i in rows], ug)
     return tokens
 
 
@@ -414,9 +418,9 @@ def _sampled_tokens(logits: mx.array, params: Sequence[SamplingParams], u: mx.ar
     _, temp, *truncation = shaping.arrays
     if not shaping.truncate:
         return _compiled("plain")(logits, temp, u)
-    if not _by_candidates(params[0]) or logits.shape[-1] <= CANDIDATES:
-        return _compiled("sorted")(logits, temp, u, *truncation)
-    return _compiled("candidates")(logits, temp, u, *truncation)
+    if shaping.candidates and logits.shape[-1] > CANDIDATES:
+        return _compiled("candidates")(logits, temp, u, *truncation)
+    return _compiled("sorted")(logits, temp, u, *truncation)
 
 
 @functools.cache
@@ -506,35 +510,36 @@ def _host_row(logits: np.ndarray, p: SamplingParams, u: float) -> int:
     V = z.size
     m = z.max()
     if not (p.top_k or p.top_p < 1.0 or p.min_p > 0.0):
-        return _host_draw(np.arange(V), np.exp(z - m), u)
+        return _host_draw(np.exp(z - m), u)
     k = p.top_k if 0 < p.top_k < V else V
     c = k if k < V else min(V, HOST_CANDIDATES)
+    # top-p's mass: of the top k, or (no top-k) of the whole vocabulary, counted once
+    total = None if k < V else np.exp(z - m).sum(dtype=np.float32)
     while True:
         ids = np.argpartition(-z, c - 1)[:c] if c < V else np.arange(V)
         ids.sort()  # (so the stable sort puts equal logits in vocabulary order)
         ids = ids[np.argsort(-z[ids], kind="stable")]
         zs = z[ids]
         e = np.exp(zs - m)
-        ps = e / (e.sum() if k < V else np.exp(z - m).sum(dtype=np.float32))
+        ps = e / (e.sum() if total is None else total)
         keep = (np.cumsum(ps) - ps < p.top_p) & (ps >= p.min_p * ps[0])
-        n = int(keep.argmin()) if not keep.all() else c
-        n = max(n, 1)  # the most likely token always survives
+        n = max(int(keep.argmin()) if not keep.all() else c, 1)  # (the first always stays)
         if k < V or c == V or (n < c and zs[n - 1] > zs[-1]):
             kept = np.sort(ids[:n])
-            return _host_draw(kept, np.exp(z[kept] - m), u)
+            return int(kept[_host_draw(np.exp(z[kept] - m), u)])
         c = min(V, c * 8)
 
 
-def _host_draw(ids: np.ndarray, w: np.ndarray, u: float) -> int:
-    """`draw` over tokens `ids` (ascending) of weights `w`: the first whose cumulative
-    weight exceeds u times the total, never one of weight 0."""
+def _host_draw(w: np.ndarray, u: float) -> int:
+    """`draw` over weights `w`: the index of the first whose cumulative weight exceeds u
+    times the total, never one of weight 0."""
     cdf = np.cumsum(w, dtype=np.float64)
-    j = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(ids) - 1)
+    j = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), len(w) - 1)
     if w[j] <= 0:
         weighted = np.flatnonzero(w)
         after = weighted[weighted >= j]
         j = int(after[0] if after.size else weighted[-1])
-    return int(ids[j])
+    return j
 
 
 def token_logprobs(
@@ -557,8 +562,11 @@ def _host_logprobs(
     m = x.max(axis=-1, keepdims=True)
     lse = m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
     chosen = x[np.arange(T), list(tokens)] - lse[:, 0]
-    ids = np.argpartition(-x, n - 1, axis=-1)[:, :n] if 0 < n < V else np.tile(np.arange(V), (T, 1))
-    ids = np.sort(ids[:, :n], axis=-1)  # (so the stable sort lists equal values by id)
+    if 0 < n < V:
+        ids = np.argpartition(-x, n - 1, axis=-1)[:, :n]
+    else:  # (every token, or none)
+        ids = np.tile(np.arange(min(n, V)), (T, 1))
+    ids = np.sort(ids, axis=-1)  # (so the stable sort lists equal values by id)
     top = np.take_along_axis(x, ids, axis=-1)
     order = np.argsort(-top, axis=-1, kind="stable")
     ids, top = np.take_along_axis(ids, order, -1), np.take_along_axis(top, order, -1)
