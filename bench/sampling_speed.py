@@ -20,6 +20,10 @@ logits), one set per (V, N). Best of `--repeat` timings of `--number` calls each
 another version, copy this script into that tree's bench/ (beside its harness.py) and run
 it there: it falls back to what older trees have.
 
+`--cold` instead times a fresh process's first `device_tokens` of each kind (8 rows): what
+a daemon's first sampled step waits while the draws' fused kernels compile, with
+`precompile_draws` run first (as `ModelRunner.precompile_decode` does) and without.
+
     .venv/bin/python bench/sampling_speed.py [--vocab 151936,248320] [--n 1,8,32]
 """
 
@@ -27,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -99,6 +105,38 @@ def logprobs(logits: mx.array, n: int) -> object:
     return np.array(lp[mx.arange(len(tokens)), mx.array(tokens)]), np.array(ids), np.array(vals)
 
 
+def cold(V: int, precompile: bool) -> dict[str, float]:
+    """In this (fresh) process: ms of each kind's first and second `device_tokens` (8 rows),
+    after `precompile_draws` when asked; the ms it took in "precompile"."""
+    out = {}
+    if precompile:
+        t = time.perf_counter()
+        sampling.precompile_draws(V)
+        out["precompile"] = (time.perf_counter() - t) * 1e3
+    logits = mx.array(np.random.default_rng(V).normal(0, 3, (8, V)).astype(np.float32))
+    mx.eval(logits)
+    for name, p in KINDS.items():
+        if p.greedy or p.penalized:
+            continue
+        for call in ("first", "second"):
+            t = time.perf_counter()
+            mx.eval(sampling.device_tokens(logits, [p] * 8, [0.5] * 8))
+            out[f"{name}: {call}"] = (time.perf_counter() - t) * 1e3
+    return out
+
+
+def cold_table(V: int) -> list[dict[str, object]]:
+    rows = []
+    for precompile in (False, True):
+        child = [sys.executable, __file__, "--vocab", str(V), "--cold-child"]
+        child += ["--precompile"] if precompile else []
+        r = json.loads(subprocess.run(child, capture_output=True, check=True, text=True).stdout)
+        rows.append({"V": V, "precompiled": precompile, **r})
+        for key, ms in r.items():
+            print(f"| {V} | {'yes' if precompile else 'no'} | {key} | {ms:.1f} |", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vocab", default="151936,248320")
@@ -107,8 +145,21 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--history", type=int, default=4096, help="tokens a penalized row has seen")
     ap.add_argument("--json", help="write the rows here too")
+    ap.add_argument("--cold", action="store_true", help="first calls in fresh processes")
+    ap.add_argument("--cold-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--precompile", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.cold_child:
+        print(json.dumps(cold(int(args.vocab), args.precompile)))
+        return
     print(f"mlx {mx.__version__} on {mx.default_device()}")
+    if args.cold:
+        print("| V | precompile_draws | call (8 rows) | ms |\n|---|---|---|---|")
+        rows = [r for V in map(int, args.vocab.split(",")) for r in cold_table(V)]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     columns = ("sample", "device_tokens", "draw(distribution)", "adjust_logits", "logprobs")
     print("| V | N | kind | " + " | ".join(f"{c} ms" for c in columns) + " |")
     print("|---|---|---|" + "---|" * len(columns))

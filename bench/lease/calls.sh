@@ -394,10 +394,15 @@ w3)  # carry .gpu_old, after w2: sampling before / after on the GPU; the pool at
     S="$S --setting nosplit_$i:SLOTSERVE_ATTENTION_SPLIT=0,ARGS=--overlap"; done
   taskset -c 0-7 timeout ${TS:-200} python3 bench/mlx_env_sweep.py --model-dir $M \
     --preset qwen3.5-0.8b --quant f16 --gen 32 --n 32 --json "$OUT/w3_sweep.json" $S \
-    > "$OUT/w3_sweep.md" 2>&1; tail -n 6 "$OUT/w3_sweep.md" ;;
-w4)  # the GPU tests, TK selecting the files (a call's 9 minutes hold about half of them)
+    > "$OUT/w3_sweep.md" 2>&1; tail -n 6 "$OUT/w3_sweep.md"
+  # a fresh process's first sampled draws, with and without precompile_draws
+  taskset -c 0-7 timeout 90 python3 bench/sampling_speed.py --vocab 248320 --cold \
+    > "$OUT/w3_cold.md" 2>&1; cat "$OUT/w3_cold.md" ;;
+w4)  # the GPU tests, TK selecting the files; XD workers (pytest-xdist: NVRTC's compiles are
+  # the host's, one core each — a serial run held about half of them in 9 minutes)
   export PYTHONPATH=/tmp/site:$PWD
-  timeout ${TT:-540} python3 -m pytest -q -p no:cacheprovider -rf ${TK:-tests} -k "cuda or gpu" \
+  timeout ${TT:-540} python3 -m pytest -q -p no:cacheprovider -rf ${XD:+-n $XD} ${TK:-tests} \
+    -k "cuda or gpu" \
     > "$OUT/w4_tests.txt" 2>&1; tail -n 8 "$OUT/w4_tests.txt" ;;
 *)
   echo "usage: bash bench/lease/calls.sh c1|...|c9" >&2; exit 2 ;;
