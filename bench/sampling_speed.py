@@ -22,7 +22,8 @@ it there: it falls back to what older trees have.
 
 `--cold` instead times a fresh process's first `device_tokens` of each kind (8 rows): what
 a daemon's first sampled step waits while the draws' fused kernels compile, with
-`precompile_draws` run first (as `ModelRunner.precompile_decode` does) and without.
+`precompile_draws` run first (as `ModelRunner.precompile_decode` does) and without (then
+first the host pool's own first calls, a kernel per count of pieces).
 
     .venv/bin/python bench/sampling_speed.py [--vocab 151936,248320] [--n 1,8,32]
 """
@@ -41,6 +42,7 @@ import mlx.core as mx
 import numpy as np
 
 from engine import sampling
+from engine.kernels import host_pool
 from engine.sampling import RequestRng, SamplingParams, distribution, draw, sample
 
 KINDS = {
@@ -111,8 +113,17 @@ def cold(V: int, precompile: bool) -> dict[str, float]:
     out = {}
     if precompile:
         t = time.perf_counter()
-        sampling.precompile_draws(V)
+        sampling.precompile_draws(V, 8)
         out["precompile"] = (time.perf_counter() - t) * 1e3
+    else:  # the host pool's kernels alone first (a kernel per count of 8-byte pieces)
+        for n in (4, 8, 16, 32, 64):
+            for call in ("first", "second"):
+                t = time.perf_counter()
+                mx.eval(host_pool.array([0.5] * n, mx.float32))
+                out[f"host_pool.array({n} floats): {call}"] = (time.perf_counter() - t) * 1e3
+                t = time.perf_counter()
+                host_pool.to_host(mx.arange(n, dtype=mx.int32))
+                out[f"host_pool.to_host({n} ids): {call}"] = (time.perf_counter() - t) * 1e3
     logits = mx.array(np.random.default_rng(V).normal(0, 3, (8, V)).astype(np.float32))
     mx.eval(logits)
     for name, p in KINDS.items():

@@ -309,7 +309,7 @@ class ModelRunner:
             key, (logits, _, new, _, _, _) = self._decode_forward(slots, [start] * width, tokens)
             made += self._pin(key, logits, new)
         if made:  # and the sampled rows' draws, compiled once a kind (not counted: not steps)
-            precompile_draws(self.model.config.n_vocab)
+            precompile_draws(self.model.config.n_vocab, self.pool.n_slots)
         return made
 
     def precompile_verify(self, depths: Sequence[int], taps: tuple[int, ...] = ()) -> int:

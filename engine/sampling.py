@@ -388,15 +388,23 @@ def device_tokens(
     return tokens
 
 
-def precompile_draws(vocab: int, widths: Sequence[int] = (1, 2, 4)) -> None:
+def precompile_draws(vocab: int, rows: int = 4) -> None:
     """Run each kind of device draw (temperature only, top-k's candidates, a sorted top-p)
-    once at these row counts over zero logits of `vocab` tokens: on a GPU the first draw of
-    a kind compiles its fused kernels, which would stall the first sampled step of a daemon
-    (`ModelRunner.precompile_decode` calls this before serving)."""
+    over zero logits of `vocab` tokens, and read its tokens back as `sample` does, at 1, 2,
+    4, ... rows up to the first power of two >= `rows`: on a GPU the first draw of a kind
+    compiles its fused kernels, and the host pool (`host_pool`) compiles a kernel for each
+    power-of-two count of 8-byte pieces its uniforms and read-backs take — each would stall
+    the first sampled step of a daemon to meet it (`ModelRunner.precompile_decode` calls
+    this before serving, `rows` its slots)."""
     kinds = [SamplingParams(temperature=1.0), SamplingParams(top_k=40), SamplingParams(top_p=0.9)]
-    for n in widths:
+    n = 1
+    while True:
         logits = mx.zeros((n, vocab), dtype=mx.float32)
-        mx.eval(*(device_tokens(logits, [p] * n, [0.5] * n) for p in kinds))
+        for p in kinds:
+            host_pool.to_host(device_tokens(logits, [p] * n, [0.5] * n))
+        if n >= rows:
+            return
+        n *= 2
 
 
 # A sampled row whose top-k is at most this many finds its kept tokens among this many

@@ -266,8 +266,12 @@ def test_a_tensor_core_row_is_the_same_whatever_rows_share_its_launch(
 
 def test_tensor_core_loads_ahead_change_no_value(monkeypatch: pytest.MonkeyPatch) -> None:
     """SLOTSERVE_GEMV_MMA_UNROLL, SLOTSERVE_GEMV_STAGE_AHEAD and SLOTSERVE_GEMV_MMA_DIRECT
-    move loads (and where x is made), not sums."""
+    move loads (and where x is made), not sums — in one block a column group: blocks
+    sharing K (SLOTSERVE_GEMV_MMA_BLOCKS, "auto") split the direct product's sums where the
+    staged one (SLOTSERVE_GEMV_MMA_DIRECT=0) keeps them whole (their own test is against
+    float32: `test_tensor_core_products_match_float32`)."""
     monkeypatch.setenv(gemv_cuda.STAGED_ENV, "1")
+    monkeypatch.setenv(gemv_cuda.MMA_BLOCKS_ENV, "1")
     w = _weight("float", 1000, 3584, mx.bfloat16)
     a = _prologue_inputs(8, 3584, mx.bfloat16)
     want = _both_products(w, a, whole=False)

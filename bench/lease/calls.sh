@@ -398,6 +398,34 @@ w3)  # carry .gpu_old, after w2: sampling before / after on the GPU; the pool at
   # a fresh process's first sampled draws, with and without precompile_draws
   taskset -c 0-7 timeout 90 python3 bench/sampling_speed.py --vocab 248320 --cold \
     > "$OUT/w3_cold.md" 2>&1; cat "$OUT/w3_cold.md" ;;
+w5)  # carry .gpu_b .gpu_old, after l1 on a fresh machine (session 24's second call set):
+  # the sampling tests that w2's limit cut (a per-test traceback past 60 s), the two test
+  # fixes, the cold draws after the precompile fix; sampling before/after; the host pool's
+  # count limit (16) against no pool at 8, 16 and 32 rows
+  source .gpu_b/install-mlx-cuda.sh > /tmp/w5_install.txt 2>&1; tail -n 1 /tmp/w5_install.txt
+  export PYTHONPATH=/tmp/site:$PWD
+  LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > /tmp/w5_setup.txt 2>&1
+  (taskset -c 11-15 timeout 300 python3 -m pytest -q -p no:cacheprovider -rf --durations=12 \
+    -o faulthandler_timeout=60 tests/test_sampling.py tests/test_host_pool_cuda.py \
+    tests/test_step_inputs.py tests/test_gemv_prologue_cuda.py -k "not prologue_cuda or loads_ahead" \
+    > "$OUT/w5_tests.txt" 2>&1) &
+  taskset -c 0-7 timeout 90 python3 bench/sampling_speed.py --vocab 248320 --cold \
+    > "$OUT/w5_cold.md" 2>&1; cat "$OUT/w5_cold.md"
+  export PYTHONPATH=/tmp/site
+  for side in new old new old; do
+    if [ $side = old ]; then dir=.gpu_old; else dir=.; fi
+    (cd $dir && taskset -c 0-7 timeout 70 python3 bench/sampling_speed.py --vocab 248320 \
+      --n 1,8,32 --number 3 --repeat 3) > "/tmp/w5_$side.md" 2>&1
+    { echo "== $side"; cat "/tmp/w5_$side.md"; } >> "$OUT/w5_sampling.md"
+  done
+  grep -E "^==|\| 8 \|" "$OUT/w5_sampling.md" | head -20
+  export PYTHONPATH=/tmp/site:$PWD
+  S=""; for i in 1 2; do
+    S="$S --setting pool16_$i:ARGS=--overlap --setting nopool_$i:SLOTSERVE_HOST_POOL=0,ARGS=--overlap"; done
+  taskset -c 0-7 timeout ${TS:-200} python3 bench/mlx_env_sweep.py --model-dir $M \
+    --preset qwen3.5-0.8b --quant f16 --gen 32 --n 8,16,32 --json "$OUT/w5_sweep.json" $S \
+    > "$OUT/w5_sweep.md" 2>&1; tail -n 14 "$OUT/w5_sweep.md"
+  wait; tail -n 16 "$OUT/w5_tests.txt" ;;
 w4)  # the GPU tests, TK selecting the files; XD workers (pytest-xdist: NVRTC's compiles are
   # the host's, one core each — a serial run held about half of them in 9 minutes)
   export PYTHONPATH=/tmp/site:$PWD

@@ -17,7 +17,10 @@ never waited. So, with the switch on, both ways in 8-byte pieces:
   which the host reads — the array itself is never read, so its buffer stays device memory.
 
 Counts are rounded up to a power of two (a kernel per count: a few, not one per length);
-up to `MAX_VALUES` values, longer ones (a prefill's tokens) as plain arrays.
+up to `MAX_VALUES` values, longer ones (a prefill's tokens, a step of more rows) as plain
+arrays: at 32 rows the pieces lost tokens/s to plain arrays in two rounds of two on the
+H200 (9,571 vs 10,336 and 9,182 vs 11,922 tok/s; session 24, docs/PERFORMANCE.md), where at
+8 rows they had won.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import numpy as np
 from engine.kernels import cuda, stack_cuda
 
 ENV = "SLOTSERVE_HOST_POOL"
-MAX_VALUES = 64
+MAX_VALUES = 16
 
 
 def enabled() -> bool:
