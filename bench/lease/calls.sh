@@ -132,6 +132,15 @@
 #     kernels compile; `precompile_draws` runs them at precompile) — a timeline's warm-up.
 #  4. w4, w4 again (~9 min each): the GPU tests not yet run under session 22's defaults
 #     (422 of 487: TK selects the files; the first 65 passed in session 23, one since fixed).
+# Session 24 ran l1, w2, w3, XD=8 w4 (all 485 GPU tests in 426 s), then l1, w5, the --cold
+# run alone (w6) and timelines at N = 16 and 8 by hand: PERFORMANCE.md "Session 24"
+# (h200_v31). Make .gpu_old with transport/ (its harness imports it):
+#   git archive 1fd5c45 engine transport bench/harness.py | tar -x -C .gpu_old
+# Next lease (session 25 plan): l1; a w2-like call (MLX, the 0.8B; no llama.cpp unless the
+# suite runs) with the sampled timeline after b245151 (the partition reads the logits: the
+# 145 us divide should go) and the GPU tests of whatever kernels come next (XD=8 w4 holds
+# all of them in ~7 min); the host pool's limit at 8 vs 16 (SNS 8,12,16; two rounds); if
+# the fused products reach 16 rows, timelines at N = 16 and tokens/s at 9-16 rows.
 # Session 19's plan (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
 # tree), q2 (carry .gpu_b .gpu_llama): MLX, the 0.8B, llama.cpp's build started; the tensor-core
 # staged products' GPU tests (cores 11-15 beside the build), timelines at N = 8 with them on,
