@@ -60,6 +60,22 @@ def test_a_bf16_model_through_the_tensor_core_products(
     assert_as_close_as(tensor_cores, cuda_cores, on_cpu(path))
 
 
+SIXTEEN = [[3 + i, 5 * i + 1][: 1 + i % 2] for i in range(16)]  # 16 rows: ragged, then decode
+
+
+def test_a_bf16_model_at_sixteen_rows_through_the_tensor_core_products(
+    make_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With SLOTSERVE_GEMV_MMA_ROWS=16 a step of 9-16 rows takes the fused products and
+    prologues too (a second fragment of x a warp): as close to the float32 CPU result as
+    the separate kernels and MLX's GEMMs it replaces."""
+    path = make_model("tiny", quant="f32")
+    separate = two_steps(path, prompts=SIXTEEN, dtype=mx.bfloat16)
+    monkeypatch.setenv(gemv_cuda.MMA_ROWS_ENV, "16")
+    fused = two_steps(path, prompts=SIXTEEN, dtype=mx.bfloat16)
+    assert_as_close_as(fused, separate, on_cpu(path, prompts=SIXTEEN))
+
+
 def _weight(kind: str, N: int, K: int, dtype: mx.Dtype) -> Weight:
     w = mx.random.normal((N, K), key=mx.random.key(N + 3 * K)) / np.sqrt(K)
     if kind == "float":
@@ -180,6 +196,8 @@ def test_rows_loaded_ahead_and_unrolled_weight_loads_change_no_value(
 
 # the 0.8B's 8-row products (gate|up, GDN input, down: chunked), spare outputs, few rows
 MMA_CASES = [(8, 1024, 7168), (8, 1024, 8224), (8, 3584, 1024), (3, 1024, 1000), (2, 96, 40)]
+# past 8 rows (SLOTSERVE_GEMV_MMA_ROWS=16): the 0.8B's shapes at 16 rows, ragged counts
+MMA_WIDE_CASES = [(16, 1024, 7168), (16, 3584, 1024), (12, 1024, 1000), (9, 96, 40)]
 
 
 def _prologue_inputs(R: int, K: int, dtype: mx.Dtype) -> dict[str, mx.array]:
@@ -203,8 +221,8 @@ def _both_products(w: Weight, a: dict[str, mx.array], whole: bool = True) -> lis
 
 @pytest.mark.parametrize(
     ("R", "K", "N", "dtype"),
-    [(*case, mx.bfloat16) for case in MMA_CASES]
-    + [(*case, mx.float16) for case in (MMA_CASES[0], MMA_CASES[3])],
+    [(*case, mx.bfloat16) for case in MMA_CASES + MMA_WIDE_CASES]
+    + [(*case, mx.float16) for case in (MMA_CASES[0], MMA_CASES[3], MMA_WIDE_CASES[2])],
 )
 @pytest.mark.parametrize("blocks", ["1", "auto"])  # SLOTSERVE_GEMV_MMA_BLOCKS
 def test_tensor_core_products_match_float32(
@@ -214,9 +232,10 @@ def test_tensor_core_products_match_float32(
     the products are exact in the fragments and summed in float32, so the outputs are off
     by their own rounding to 16 bits and the order of the sums (a wrong fragment, row or
     output is off by O(1)). With blocks sharing K (where the shape asks for it), each block's
-    sums meet in float32 too."""
+    sums meet in float32 too. Past 8 rows, with SLOTSERVE_GEMV_MMA_ROWS=16."""
     monkeypatch.setenv(gemv_cuda.STAGED_ENV, "1")
     monkeypatch.setenv(gemv_cuda.MMA_BLOCKS_ENV, blocks)
+    monkeypatch.setenv(gemv_cuda.MMA_ROWS_ENV, "16" if R > gemv_cuda.MAX_ROWS else "8")
     assert gemv_cuda.mma_takes(R, K, dtype, mx.zeros((N, K), dtype))
     w = _weight("float", N, K, dtype)
     a = _prologue_inputs(R, K, dtype)
@@ -235,24 +254,27 @@ def test_tensor_core_products_match_float32(
         assert out.shape == (R, N) and err <= 2e-2 * max(np.abs(want).max(), 1.0), err
 
 
+@pytest.mark.parametrize("rows", [8, 16])  # (16: SLOTSERVE_GEMV_MMA_ROWS=16)
 @pytest.mark.parametrize(("K", "N"), [(1024, 1000), (3584, 1024)])
 @pytest.mark.parametrize("blocks", ["1", "auto"])  # (3584, 1024) with "auto": 2 blocks
 def test_a_tensor_core_row_is_the_same_whatever_rows_share_its_launch(
-    K: int, N: int, blocks: str, monkeypatch: pytest.MonkeyPatch
+    K: int, N: int, blocks: str, rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An output is one weight row against one column of x: a row's result is bit for bit
-    the same alone, among 2, 5 or 8 rows, and beside other rows' values — batch invariance
-    at decode sizes; with blocks sharing K, whichever block finishes last, launch after
-    launch (each leaves its arrival counts at zero for the next)."""
+    the same alone, among 2, 5 or 8 rows (and 9 or 12 of 16), and beside other rows' values
+    — batch invariance at decode sizes, across the second fragment of x past 8 rows too;
+    with blocks sharing K, whichever block finishes last, launch after launch (each leaves
+    its arrival counts at zero for the next)."""
     monkeypatch.setenv(gemv_cuda.STAGED_ENV, "1")
     monkeypatch.setenv(gemv_cuda.MMA_BLOCKS_ENV, blocks)
+    monkeypatch.setenv(gemv_cuda.MMA_ROWS_ENV, str(rows))
     dtype = mx.bfloat16
     w = _weight("float", N, K, dtype)
-    a8 = _prologue_inputs(8, K, dtype)
-    whole = 8 * K * dtype.size <= gemv_cuda.STAGE_MAX_BYTES
+    a8 = _prologue_inputs(rows, K, dtype)
+    whole = rows * K * dtype.size <= gemv_cuda.STAGE_MAX_BYTES
     want = _both_products(w, a8, whole)
-    other = {k: v + 1 for k, v in _prologue_inputs(8, K, dtype).items()}
-    for R in (1, 2, 5):
+    other = {k: v + 1 for k, v in _prologue_inputs(rows, K, dtype).items()}
+    for R in (1, 2, 5) if rows == 8 else (1, 5, 8, 9, 12):
         first = {k: v if k == "norm" else v[:R] for k, v in a8.items()}
         for got, full in zip(_both_products(w, first, whole), want, strict=True):
             assert bool(mx.array_equal(got, full[:R])), R

@@ -124,7 +124,7 @@ def test_a_warp_count_the_kernel_cannot_run_is_refused(
         gdn_mixer_cuda.warps(16, 128)
 
 
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("rows", [1, 8, 16])  # (16: SLOTSERVE_GEMV_MMA_ROWS=16)
 def test_every_norm_of_a_decode_step_runs_inside_a_product_kernel(
     make_model: Callable[..., Path], rows: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -135,6 +135,9 @@ def test_every_norm_of_a_decode_step_runs_inside_a_product_kernel(
     from engine.kernels import gemv_cuda
     from engine.models import qwen35
     from engine.models.batch import Layout
+
+    if rows > gemv_cuda.MAX_ROWS:
+        monkeypatch.setenv(gemv_cuda.MMA_ROWS_ENV, "16")
 
     model = qwen35.load_model(make_model("tiny", quant="f32"), mx.bfloat16)
     pool = SlotPool(model.config, rows, 16, mx.bfloat16)
@@ -187,6 +190,52 @@ def test_blocks_share_k_of_a_narrow_direct_product(monkeypatch: pytest.MonkeyPat
             assert out.shape == (rows, 1024)
     built = {t: log for t, log in nvrtc_check.Checked.seen.items() if "int BS = 2;" in t}
     assert built and all(log is None for log in built.values()), built  # (R = 8; 1 row: CUDA cores)
+
+
+def test_nine_to_sixteen_rows_take_tensor_cores_only_where_switched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SLOTSERVE_GEMV_MMA_ROWS=16: 9-16 rows of 16-bit float products fit the tensor-core
+    kernel (and nothing else: not the CUDA-core kernels, whose sums are R x OUTS registers,
+    nor a quantized matrix); "8", the default, none. The 0.8B's 16-row variants compile —
+    warps sharing K (gate|up's add + norm, split 4), blocks sharing K (down, 2 blocks) —
+    the GPU test runs them (tests/test_gemv_prologue_cuda.py)."""
+    from engine.kernels import gemv_cuda
+
+    bf = mx.zeros((7168, 1024), mx.bfloat16)
+    q, sc, b = mx.quantize(mx.zeros((64, 1024)), group_size=32, bits=8)
+    q8 = QuantizedWeight(q, sc, b, 8, 32, (64, 1024))
+    x16 = mx.zeros((16, 1024), mx.bfloat16)
+    nvrtc_check.Checked.seen.clear()
+    nvrtc = nvrtc_check.Nvrtc(nvrtc_check.installed())  # type: ignore[arg-type]
+    with nvrtc_check.kernels_checked(nvrtc):  # (the fused paths on, as on a GPU)
+        monkeypatch.delenv(gemv_cuda.MMA_ROWS_ENV, raising=False)
+        assert gemv_cuda.mma_rows() == 8 and not gemv_cuda.fits(x16, bf)
+        assert not gemv_cuda.takes_prologue(16, 1024, mx.bfloat16, bf)
+        monkeypatch.setenv(gemv_cuda.MMA_ROWS_ENV, "16")
+        assert gemv_cuda.mma_takes(16, 1024, mx.bfloat16, bf)
+        assert not gemv_cuda.mma_takes(17, 1024, mx.bfloat16, bf)
+        assert gemv_cuda.fits(x16, bf) and gemv_cuda.takes_prologue(16, 1024, mx.bfloat16, bf)
+        assert not gemv_cuda.fits(x16.astype(mx.float32), bf.astype(mx.float32))
+        assert not gemv_cuda.fits(x16, q8)
+        monkeypatch.setenv(gemv_cuda.DENSE_ENV, "rows")  # a plain product past 8 rows: not here
+        assert not gemv_cuda.dense_takes(x16, bf)
+        monkeypatch.delenv(gemv_cuda.DENSE_ENV)
+        monkeypatch.setenv(gemv_cuda.MMA_ROWS_ENV, "12")
+        with pytest.raises(ValueError, match="SLOTSERVE_GEMV_MMA_ROWS"):
+            gemv_cuda.mma_rows()
+        monkeypatch.setenv(gemv_cuda.MMA_ROWS_ENV, "16")
+        for rows in (12, 16):
+            x = mx.zeros((rows, 1024), mx.bfloat16)
+            norm = mx.ones((1024,), mx.float32)
+            h, out = gemv_cuda.add_norm_gemv_cuda(x, x, norm, 1e-6, bf)
+            assert h.shape == (rows, 1024) and out.shape == (rows, 7168)
+            gu = mx.zeros((rows, 2 * 3584), mx.bfloat16)
+            out = gemv_cuda.swiglu_gemv_cuda(gu, mx.zeros((1024, 3584), mx.bfloat16))
+            assert out.shape == (rows, 1024)
+    built = {t: log for t, log in nvrtc_check.Checked.seen.items() if "slotserve_gemv_mma" in t}
+    assert len(built) == 4 and all(log is None for log in built.values()), built
+    assert any("int BS = 2;" in t for t in built)
 
 
 def test_the_argmax_kernel_compiles(monkeypatch: pytest.MonkeyPatch) -> None:

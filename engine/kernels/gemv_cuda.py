@@ -26,6 +26,7 @@ from engine.gguf import QuantizedWeight, Weight
 from engine.kernels.cuda import arrival, arrival_counts, cached_kernel, env, switched_on
 
 MAX_ROWS = 8  # rows of x a launch takes (its accumulators live in registers)
+MMA_MAX_ROWS = 16  # ... the tensor-core kernel's, where SLOTSERVE_GEMV_MMA_ROWS=16 (`mma_rows`)
 _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
 
 # The constants both kernels start from.
@@ -376,7 +377,9 @@ _STAGED_SOURCE = (
 # ~0.4: the H200's issue rate, not its memory, bound them). Here a warp owns 16 outputs and
 # multiplies them by up to 8 rows with `mma.sync` m16n8k16 (bf16 or f16 in, f32 sums): lane
 # (g, t) = (lane / 4, lane % 4) loads 16 bytes of output rows g and g + 8 at K offset 8t of the
-# warp's 32 values, and the same 8 values of x's row g (`_MMA_X`); the two products of a
+# warp's 32 values, and the same 8 values of x's row g (`_MMA_X`) — and past 8 rows (up to
+# `MMA_MAX_ROWS`, SLOTSERVE_GEMV_MMA_ROWS) those of row g + 8 too, a second pair of products
+# on the same weight registers into a second set of sums; the two products of a
 # round take those 8 values 4 at a time as the fragments' k = 2t, 2t + 1, 2t + 8, 2t + 9 — a
 # permutation of K that A and B share, so the sum is over the same products. An output is
 # a row of A against a column of B: no other row of x enters it, so a row's result is the
@@ -385,19 +388,24 @@ _MMA_ACC = """\
     const int g = lane >> 2, t = lane & 3;
     const long ra = row0 + g < N ? row0 + g : N - 1;  // spare outputs reread the last
     const long rb = row0 + g + 8 < N ? row0 + g + 8 : N - 1;
-    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // outputs (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)
-    auto mma = [&](unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0, unsigned b1) {
+    // sums of outputs g and g + 8 (i >> 1) by x rows 2t and 2t + 1 (i & 1); past 8 rows, c2
+    // holds rows 8 + 2t and 9 + 2t (a second fragment of x on the same weight registers)
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    constexpr int CW = R > 8 ? 8 : 4;  // a lane's sums: i < 4 in c, the rest in c2
+    auto sum_at = [&](int i) -> float& { return i < 4 ? c[i] : c2[i - 4]; };
+    auto mma = [&](float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                   unsigned b0, unsigned b1) {
         if (BF)
             asm volatile(
                 "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
         else
             asm volatile(
                 "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
     };
 """
@@ -425,25 +433,25 @@ _MMA_LOADS = """\
 # the raw values `load_raw` read (x, or gate and up) — no stage to wait for; each value is
 # made by one lane of each warp that meets it, rounded where the separate kernels round.
 _MMA_X = """\
-    auto load_raw = [&](uint4 (&p)[U], uint4 (&q)[U], long k0, long K_HI) {
+    auto load_raw = [&](uint4 (&p)[U], uint4 (&q)[U], int gr, long k0, long K_HI) {
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             const long k = k0 + u * MSTRIDE;
-            if (DIRECT && g < R && k < K_HI) {
+            if (DIRECT && gr < R && k < K_HI) {
                 if (PRO == 2) {
-                    p[u] = __ldg(reinterpret_cast<const uint4*>(x + g * 2 * K + k));
-                    q[u] = __ldg(reinterpret_cast<const uint4*>(x + g * 2 * K + K + k));
+                    p[u] = __ldg(reinterpret_cast<const uint4*>(x + gr * 2 * K + k));
+                    q[u] = __ldg(reinterpret_cast<const uint4*>(x + gr * 2 * K + K + k));
                 } else {
-                    p[u] = __ldg(reinterpret_cast<const uint4*>(x + g * K + k));
+                    p[u] = __ldg(reinterpret_cast<const uint4*>(x + gr * K + k));
                 }
             }
         }
     };
-    auto x_frag = [&](long k, long K_LO, const uint4& p, const uint4& q) {
+    auto x_frag = [&](int gr, long k, long K_LO, const uint4& p, const uint4& q) {
         uint4 xb = make_uint4(0u, 0u, 0u, 0u);
-        if (g >= R) return xb;  // rows past R: zeros
+        if (gr >= R) return xb;  // rows past R: zeros
         if (!DIRECT) {
-            xb = *reinterpret_cast<const uint4*>(xs + g * KC + (k - K_LO));
+            xb = *reinterpret_cast<const uint4*>(xs + gr * KC + (k - K_LO));
         } else if (PRO == 2) {
             #pragma unroll
             for (int e = 0; e < XV; ++e) {
@@ -465,16 +473,22 @@ _MMA_X = """\
 # rounds' weights: one wait on the cache a U rounds, not one a round.
 _MMA_PRODUCT = """\
     for (long k0 = K_LO + long(warp) * 32 + t * 8; k0 < K_HI; k0 += MSTRIDE * U) {
-        uint4 xp[U], xq[U], na[U], nb[U];
-        load_raw(xp, xq, k0, K_HI);
+        uint4 xp[U], xq[U], xp2[U], xq2[U], na[U], nb[U];
+        load_raw(xp, xq, g, k0, K_HI);
+        if (R > 8) load_raw(xp2, xq2, g + 8, k0, K_HI);
         load_w(na, nb, k0 + MSTRIDE * U, K_HI);
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             const long k = k0 + u * MSTRIDE;
             if (k >= K_HI) break;
-            const uint4 xb = x_frag(k, K_LO, xp[u], xq[u]);
-            mma(wa[u].x, wb[u].x, wa[u].y, wb[u].y, xb.x, xb.y);
-            mma(wa[u].z, wb[u].z, wa[u].w, wb[u].w, xb.z, xb.w);
+            const uint4 xb = x_frag(g, k, K_LO, xp[u], xq[u]);
+            mma(c, wa[u].x, wb[u].x, wa[u].y, wb[u].y, xb.x, xb.y);
+            mma(c, wa[u].z, wb[u].z, wa[u].w, wb[u].w, xb.z, xb.w);
+            if (R > 8) {  // the same weights by rows 8-15 of x
+                const uint4 xb2 = x_frag(g + 8, k, K_LO, xp2[u], xq2[u]);
+                mma(c2, wa[u].x, wb[u].x, wa[u].y, wb[u].y, xb2.x, xb2.y);
+                mma(c2, wa[u].z, wb[u].z, wa[u].w, wb[u].w, xb2.z, xb2.w);
+            }
         }
         #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -501,10 +515,10 @@ _MMA_BLOCK_TAIL = (
     if (BS > 1) {
         if (warp == 0) {
             #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int r = 2 * t + (i & 1);
-                const long o = row0 + g + (i >> 1) * 8;
-                if (r < R && o < N) part[(long(blockIdx.y) * R + r) * N + o] = c[i];
+            for (int i = 0; i < CW; ++i) {
+                const int r = 2 * t + (i & 1) + (i >> 2) * 8;
+                const long o = row0 + g + ((i >> 1) & 1) * 8;
+                if (r < R && o < N) part[(long(blockIdx.y) * R + r) * N + o] = sum_at(i);
             }
         }
 """
@@ -512,9 +526,9 @@ _MMA_BLOCK_TAIL = (
     + """\
         if (warp == 0) {
             #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int r = 2 * t + (i & 1);
-                const long o = row0 + g + (i >> 1) * 8;
+            for (int i = 0; i < CW; ++i) {
+                const int r = 2 * t + (i & 1) + (i >> 2) * 8;
+                const long o = row0 + g + ((i >> 1) & 1) * 8;
                 if (r < R && o < N) {
                     float sum = 0.0f;
                     for (int b = 0; b < BS; ++b) sum += __ldcg(part + (long(b) * R + r) * N + o);
@@ -530,27 +544,27 @@ _MMA_BLOCK_TAIL = (
 # The group's warps add their sums in the stage (free after the last chunk), in warp order.
 _MMA_TAIL = (
     """\
-    float* sums = reinterpret_cast<float*>(stage_raw);  // [G][SPLIT][32 lanes][4]
+    float* sums = reinterpret_cast<float*>(stage_raw);  // [G][SPLIT][32 lanes][CW]
     if (SPLIT > 1) {
         #pragma unroll
-        for (int i = 0; i < 4; ++i) sums[((grp * SPLIT + warp) * 32 + lane) * 4 + i] = c[i];
+        for (int i = 0; i < CW; ++i) sums[((grp * SPLIT + warp) * 32 + lane) * CW + i] = sum_at(i);
         __syncthreads();
     }
     if (warp == 0) {
         #pragma unroll
         for (int s = 1; s < SPLIT; ++s)
             #pragma unroll
-            for (int i = 0; i < 4; ++i) c[i] += sums[((grp * SPLIT + s) * 32 + lane) * 4 + i];
+            for (int i = 0; i < CW; ++i) sum_at(i) += sums[((grp * SPLIT + s) * 32 + lane) * CW + i];
     }
 """
     + _MMA_BLOCK_TAIL
     + """\
     if (warp == 0) {
         #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int r = 2 * t + (i & 1);
-            const long o = row0 + g + (i >> 1) * 8;
-            if (r < R && o < N) out[r * N + o] = static_cast<T>(c[i]);
+        for (int i = 0; i < CW; ++i) {
+            const int r = 2 * t + (i & 1) + (i >> 2) * 8;
+            const long o = row0 + g + ((i >> 1) & 1) * 8;
+            if (r < R && o < N) out[r * N + o] = static_cast<T>(sum_at(i));
         }
     }
 """
@@ -615,7 +629,7 @@ def dense_takes(x: mx.array, w: Weight) -> bool:
     if mode == "0" or not fits(x, w):
         return False
     rows = x.size // x.shape[-1]
-    if mode == "mma":
+    if mode == "mma" or rows > MAX_ROWS:  # (past 8 rows: tensor cores or not here)
         return _dense_mma(rows, x.shape[-1], x.dtype, w)
     return mode == "1" or rows >= 2
 
@@ -630,8 +644,12 @@ def prologue_enabled() -> bool:
 
 
 def _fits(rows: int, K: int, dtype: mx.Dtype, w: Weight) -> bool:
-    if dtype not in _FLOATS or not 0 < rows <= MAX_ROWS:
+    if dtype not in _FLOATS or rows <= 0:
         return False
+    if rows > MAX_ROWS:  # the tensor-core kernel's alone (its sums are 8 a lane, not R x OUTS)
+        if isinstance(w, QuantizedWeight):
+            return False
+        return mma_takes(rows, K, dtype, w) and w.ndim == 2 and w.shape[1] == K
     if isinstance(w, QuantizedWeight):
         per_load = 128 // w.bits
         return (
@@ -774,8 +792,21 @@ def mma_takes(rows: int, K: int, dtype: mx.Dtype, w: Weight) -> bool:
         and dtype in (mx.bfloat16, mx.float16)
         and w.dtype == dtype
         and K % 32 == 0
-        and 1 <= rows <= MAX_ROWS
+        and 1 <= rows <= mma_rows()
     )
+
+
+MMA_ROWS_ENV = "SLOTSERVE_GEMV_MMA_ROWS"
+
+
+def mma_rows() -> int:
+    """The most rows a tensor-core product takes (SLOTSERVE_GEMV_MMA_ROWS): "8" (the
+    default) or "16" — then 9-16 rows of x, as a daemon pads a step of 9-16 requests, take
+    the fused products and prologues too, where at 16 rows MLX's cuBLAS GEMMs, their split-K
+    reductions and the norms and SwiGLUs on their own made 231 launches a step against 134
+    at 8 rows (H200, session 24: the step bound by the host's launches, its kernels 1.54
+    against 1.61 ms). Built after session 24's lease; not yet run on a GPU."""
+    return MMA_MAX_ROWS if _switch(MMA_ROWS_ENV) == "16" else MAX_ROWS
 
 
 def mma_split(n_out: int, K: int) -> int:
@@ -849,6 +880,7 @@ SWITCHES: dict[str, tuple[str, ...]] = {
     MMA_UNROLL_ENV: ("4", "1", "2", "8"),
     MMA_DIRECT_ENV: ("1", "0"),
     MMA_BLOCKS_ENV: ("auto", "1"),
+    MMA_ROWS_ENV: ("8", "16"),
     STAGE_AHEAD_ENV: ("1", "rows"),
     STAGED_UNROLL_ENV: ("1", "2", "4"),
 }
@@ -1019,14 +1051,14 @@ def _launch(
         if not chunk:
             raise ValueError(f"gemv_cuda: {R} rows of {K} do not fit the stage")
         need = 0 if direct else R * chunk * dtype.size
-        if mma:  # the warps' sums meet in the stage after the last chunk
-            need = max(need, split * groups * 32 * 4 * 4)
+        if mma:  # the warps' sums meet in the stage after the last chunk (8 a lane past 8 rows)
+            need = max(need, split * groups * 32 * (8 if R > MAX_ROWS else 4) * 4)
         stage = -(-need // 4096) * 4096  # (CUDA's limit without opting in)
         family = "gemv_mma" if mma else "gemv_staged"
         variant += f"|staged {stage}"
         kernel = cached_kernel(family, variant, names, outputs, source, shared_memory=stage)
         # (the tensor-core kernel's weights are in flight meanwhile: its rows all at once)
-        ahead = R if mma or _switch(STAGE_AHEAD_ENV) == "rows" else 1
+        ahead = min(R, MAX_ROWS) if mma or _switch(STAGE_AHEAD_ENV) == "rows" else 1
         extra += [("G", groups), ("KC", chunk), ("RA", ahead)]
         if mma:
             extra += [("BF", int(dtype == mx.bfloat16)), ("DIRECT", int(direct)), ("BS", blocks)]

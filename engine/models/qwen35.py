@@ -511,8 +511,8 @@ class Model:
         mx.eval(_arrays(self))
         weights.prepare(_arrays(self))
         # the residual stream's first value where layer 0's norm joins its product's kernel
-        # (a prologue takes at most MAX_ROWS rows)
-        self.zero_rows = mx.zeros((gemv_cuda.MAX_ROWS, E), dtype)
+        # (a prologue takes at most MMA_MAX_ROWS rows)
+        self.zero_rows = mx.zeros((gemv_cuda.MMA_MAX_ROWS, E), dtype)
         mx.eval(self.zero_rows)
 
     def embed_tokens(self, tokens: mx.array, table: Weight | None = None) -> mx.array:
