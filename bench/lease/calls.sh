@@ -136,11 +136,12 @@
 # run alone (w6) and timelines at N = 16 and 8 by hand: PERFORMANCE.md "Session 24"
 # (h200_v31). Make .gpu_old with transport/ (its harness imports it):
 #   git archive 1fd5c45 engine transport bench/harness.py | tar -x -C .gpu_old
-# Next lease (session 25 plan): l1; a w2-like call (MLX, the 0.8B; no llama.cpp unless the
-# suite runs) with the sampled timeline after b245151 (the partition reads the logits: the
-# 145 us divide should go) and the GPU tests of whatever kernels come next (XD=8 w4 holds
-# all of them in ~7 min); the host pool's limit at 8 vs 16 (SNS 8,12,16; two rounds); if
-# the fused products reach 16 rows, timelines at N = 16 and tokens/s at 9-16 rows.
+# Next lease (session 25 plan, ~15 min): l1; then y2 (carry .gpu_b, ~7 min): MLX, the 0.8B,
+# the GPU tests of the 16-row tensor-core products (db1c29c, SLOTSERVE_GEMV_MMA_ROWS=16, off
+# until they pass), timelines at N = 16 with and without them, the sampled one at N = 8
+# after b245151 (the partition reads the logits: the 145 us divide should go), tokens/s at
+# 12 and 16 rows both ways, twice. If the tests pass and 16 rows gain: make "16" the
+# default, then XD=8 w4 (~7 min: every GPU test under the new default).
 # Session 19's plan (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
 # tree), q2 (carry .gpu_b .gpu_llama): MLX, the 0.8B, llama.cpp's build started; the tensor-core
 # staged products' GPU tests (cores 11-15 beside the build), timelines at N = 8 with them on,
@@ -435,6 +436,27 @@ w5)  # carry .gpu_b .gpu_old, after l1 on a fresh machine (session 24's second c
     --preset qwen3.5-0.8b --quant f16 --gen 32 --n 8,16,32 --json "$OUT/w5_sweep.json" $S \
     > "$OUT/w5_sweep.md" 2>&1; tail -n 14 "$OUT/w5_sweep.md"
   wait; tail -n 16 "$OUT/w5_tests.txt" ;;
+y2)  # carry .gpu_b, after l1 (session 25 plan): the 16-row tensor-core products
+  source .gpu_b/install-mlx-cuda.sh > /tmp/y2_install.txt 2>&1; tail -n 1 /tmp/y2_install.txt
+  export PYTHONPATH=/tmp/site:$PWD
+  LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > /tmp/y2_setup.txt 2>&1
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -rf -n 8 --durations=6 \
+    tests/test_gemv_prologue_cuda.py -k "tensor_core or sixteen" > "$OUT/y2_tests.txt" 2>&1
+  tail -n 6 "$OUT/y2_tests.txt"
+  for v in r8: r16:SLOTSERVE_GEMV_MMA_ROWS=16; do
+    IFS=: read name setting <<< "$v"
+    env $setting taskset -c 0-7 timeout 90 python3 bench/gpu_timeline.py --model-dir $M \
+      --preset qwen3.5-0.8b --quant f16 --n 16 --warmup 3 --steps 6 --json "$OUT/y2_tl_$name.json" \
+      --trace-dir /tmp/trace > "/tmp/y2_tl_$name.md" 2>&1
+    { echo "== $name"; grep -v -i warn "/tmp/y2_tl_$name.md"; } >> "$OUT/y2_tl.md"
+    echo "== $name"; grep -E "^N=" "/tmp/y2_tl_$name.md" | cut -c1-200
+  done
+  R2="sampled::--sampled" bash "$0" tl
+  S=""; for i in 1 2; do
+    S="$S --setting r8_$i:ARGS=--overlap --setting r16_$i:SLOTSERVE_GEMV_MMA_ROWS=16,ARGS=--overlap"; done
+  taskset -c 0-7 timeout ${TS:-200} python3 bench/mlx_env_sweep.py --model-dir $M \
+    --preset qwen3.5-0.8b --quant f16 --gen 32 --n 12,16 --json "$OUT/y2_sweep.json" $S \
+    > "$OUT/y2_sweep.md" 2>&1; tail -n 10 "$OUT/y2_sweep.md" ;;
 w4)  # the GPU tests, TK selecting the files; XD workers (pytest-xdist: NVRTC's compiles are
   # the host's, one core each — a serial run held about half of them in 9 minutes)
   export PYTHONPATH=/tmp/site:$PWD
