@@ -35,7 +35,7 @@ from typing import Any, cast
 import mlx.core as mx
 import numpy as np
 
-from engine.kernels import host_pool
+from engine.kernels import host_pool, topk_cuda
 from engine.kernels.argmax_cuda import argmax_rows
 
 
@@ -427,13 +427,16 @@ def _sampled_tokens(logits: mx.array, params: Sequence[SamplingParams], u: mx.ar
     if not shaping.truncate:
         return _compiled("plain")(logits, temp, u)
     if shaping.candidates and logits.shape[-1] > CANDIDATES:
-        return _compiled("candidates")(logits, temp, u, *truncation)
+        return _compiled("candidates", topk_cuda.enabled())(logits, temp, u, *truncation)
     return _compiled("sorted")(logits, temp, u, *truncation)
 
 
 @functools.cache
-def _compiled(kind: str) -> Callable[..., mx.array]:
-    return cast(Callable[..., mx.array], mx.compile(_DRAWS[kind]))
+def _compiled(kind: str, topk_kernel: bool = False) -> Callable[..., mx.array]:
+    """A kind's draw compiled — the candidates' once for each way of finding them
+    (`topk_kernel`: SLOTSERVE_TOPK, which `_candidate_weights` reads as the graph is traced)."""
+    draw = _DRAWS[kind]  # (a function of its own each: MLX keys what it traced by the function)
+    return cast(Callable[..., mx.array], mx.compile(lambda *args: draw(*args)))
 
 
 def _plain_draw(logits: mx.array, temp: mx.array, u: mx.array) -> mx.array:
@@ -467,7 +470,10 @@ def _candidate_weights(
     the candidates are divided: on the H200 the whole-vocabulary `-(logits / temp)` took
     145 us at 8 rows, more than the partition's sort (session 24's sampled timeline)."""
     V = logits.shape[-1]
-    ids = mx.argpartition(logits, V - CANDIDATES, axis=-1)[:, V - CANDIDATES :]
+    if topk_cuda.enabled():  # (SLOTSERVE_TOPK=1: a radix select, one launch a step)
+        ids = topk_cuda.topk_ids(logits, CANDIDATES)
+    else:
+        ids = mx.argpartition(logits, V - CANDIDATES, axis=-1)[:, V - CANDIDATES :]
     zc = mx.take_along_axis(logits, ids, axis=-1).astype(mx.float32) / temp
     order = mx.argsort(-zc, axis=-1)
     zs, ids = mx.take_along_axis(zc, order, axis=-1), mx.take_along_axis(ids, order, axis=-1)

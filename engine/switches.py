@@ -19,6 +19,7 @@ from engine.kernels import (
     gdn_mixer_cuda,
     gemv_cuda,
     host_pool,
+    topk_cuda,
 )
 
 PREFIX = "SLOTSERVE_"
@@ -42,6 +43,7 @@ CHECKS: dict[str, Callable[[str], object]] = {
     attention_cuda.SPLIT_ENV: _one_of(attention_cuda.SPLIT_ENV, attention_cuda.SPLIT_CHUNKS),
     argmax_cuda.ENV: _one_of(argmax_cuda.ENV, cuda.ON_OFF),
     host_pool.ENV: _one_of(host_pool.ENV, cuda.ON_OFF),
+    topk_cuda.ENV: _one_of(topk_cuda.ENV, cuda.ON_OFF),
     runner.SSM_WRITE_ENV: runner.parse_ssm_write,
     runner.STEP_INPUTS_ENV: runner.parse_step_inputs,
 }

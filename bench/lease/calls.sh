@@ -138,10 +138,11 @@
 #   git archive 1fd5c45 engine transport bench/harness.py | tar -x -C .gpu_old
 # Next lease (session 25 plan, ~15 min): l1; then y2 (carry .gpu_b, ~7 min): MLX, the 0.8B,
 # the GPU tests of the 16-row tensor-core products (db1c29c, SLOTSERVE_GEMV_MMA_ROWS=16, off
-# until they pass), timelines at N = 16 with and without them, the sampled one at N = 8
-# after b245151 (the partition reads the logits: the 145 us divide should go), tokens/s at
-# 12 and 16 rows both ways, twice. If the tests pass and 16 rows gain: make "16" the
-# default, then XD=8 w4 (~7 min: every GPU test under the new default).
+# until they pass) and of the radix select (SLOTSERVE_TOPK=1, off), timelines at N = 16
+# with and without the first, the sampled one at N = 8 after b245151 (the partition reads
+# the logits: the 145 us divide should go) and with the radix select, tokens/s at 12 and 16
+# rows both ways, twice. Where tests pass and a switch gains: make it the default, then
+# XD=8 w4 (~7 min: every GPU test under the new defaults).
 # Session 19's plan (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
 # tree), q2 (carry .gpu_b .gpu_llama): MLX, the 0.8B, llama.cpp's build started; the tensor-core
 # staged products' GPU tests (cores 11-15 beside the build), timelines at N = 8 with them on,
@@ -441,17 +442,18 @@ y2)  # carry .gpu_b, after l1 (session 25 plan): the 16-row tensor-core products
   export PYTHONPATH=/tmp/site:$PWD
   LEASE_MODELS=qwen3.5-0.8b:f16 source bench/lease/setup.sh > /tmp/y2_setup.txt 2>&1
   timeout 240 python3 -m pytest -q -p no:cacheprovider -rf -n 8 --durations=6 \
-    tests/test_gemv_prologue_cuda.py -k "tensor_core or sixteen" > "$OUT/y2_tests.txt" 2>&1
+    tests/test_gemv_prologue_cuda.py tests/test_topk_cuda.py -k "tensor_core or sixteen or topk" \
+    > "$OUT/y2_tests.txt" 2>&1
   tail -n 6 "$OUT/y2_tests.txt"
   for v in r8: r16:SLOTSERVE_GEMV_MMA_ROWS=16; do
     IFS=: read name setting <<< "$v"
     env $setting taskset -c 0-7 timeout 90 python3 bench/gpu_timeline.py --model-dir $M \
-      --preset qwen3.5-0.8b --quant f16 --n 16 --warmup 3 --steps 6 --json "$OUT/y2_tl_$name.json" \
+      --preset qwen3.5-0.8b --quant f16 --n 16 --warmup 3 --steps 6 --json "/tmp/y2_tl_$name.json" \
       --trace-dir /tmp/trace > "/tmp/y2_tl_$name.md" 2>&1
     { echo "== $name"; grep -v -i warn "/tmp/y2_tl_$name.md"; } >> "$OUT/y2_tl.md"
     echo "== $name"; grep -E "^N=" "/tmp/y2_tl_$name.md" | cut -c1-200
   done
-  R2="sampled::--sampled" bash "$0" tl
+  R2="sampled::--sampled topk:SLOTSERVE_TOPK=1:--sampled" bash "$0" tl
   S=""; for i in 1 2; do
     S="$S --setting r8_$i:ARGS=--overlap --setting r16_$i:SLOTSERVE_GEMV_MMA_ROWS=16,ARGS=--overlap"; done
   taskset -c 0-7 timeout ${TS:-200} python3 bench/mlx_env_sweep.py --model-dir $M \
