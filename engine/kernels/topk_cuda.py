@@ -47,6 +47,20 @@ _SOURCE = """
         const unsigned peers = __match_any_sync(0xffffffffu, on ? bin : 0xffffffffu);
         if (on && __ffs(peers) - 1 == int(lane)) atomicAdd(&hist[bin], unsigned(__popc(peers)));
     };
+    // the bin of `bins` holding the want-th counted value, from the top bin down or from bin
+    // 0 up, and how many of that bin are still wanted (`chosen`, `left`: for every thread)
+    auto pick = [&](int bins, bool top, unsigned want) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            unsigned before = 0u;
+            int b = top ? bins - 1 : 0;
+            for (; (top ? b > 0 : b < bins - 1) && before + hist[b] < want; b += top ? -1 : 1)
+                before += hist[b];
+            chosen = unsigned(b);
+            left = want - before;
+        }
+        __syncthreads();
+    };
     // 1. the C-th largest key, byte by byte from the top (every lane runs every round: the
     // warp's votes need all 32)
     unsigned prefix = 0u, mask = 0u, want = C;
@@ -58,15 +72,7 @@ _SOURCE = """
             const unsigned k = i < V ? key(static_cast<float>(row[i])) : 0u;
             count(i < V && (k & mask) == prefix, (k >> shift) & 255u);
         }
-        __syncthreads();
-        if (threadIdx.x == 0) {  // the bin holding the want-th largest of those matching
-            unsigned above = 0u;
-            int b = 255;
-            for (; b > 0 && above + hist[b] < want; --b) above += hist[b];
-            chosen = unsigned(b);
-            left = want - above;
-        }
-        __syncthreads();
+        pick(256, true, want);  // the want-th largest of those matching
         prefix |= chosen << shift;
         mask |= 255u << shift;
         want = left;
@@ -89,15 +95,7 @@ _SOURCE = """
                 const bool tie = i < V && key(static_cast<float>(row[i])) == t_key;
                 count(tie && (unsigned(i) & im) == ip, (unsigned(i) >> shift) & 63u);
             }
-            __syncthreads();
-            if (threadIdx.x == 0) {  // the bin holding the iw-th smallest index
-                unsigned below = 0u;
-                int b = 0;
-                for (; b < 63 && below + hist[b] < iw; ++b) below += hist[b];
-                chosen = unsigned(b);
-                left = iw - below;
-            }
-            __syncthreads();
+            pick(64, false, iw);  // the iw-th smallest index
             ip |= chosen << shift;
             im |= 63u << shift;
             iw = left;
