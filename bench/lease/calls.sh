@@ -142,7 +142,10 @@
 # with and without the first, the sampled one at N = 8 after b245151 (the partition reads
 # the logits: the 145 us divide should go) and with the radix select, tokens/s at 12 and 16
 # rows both ways, twice. Where tests pass and a switch gains: make it the default, then
-# XD=8 w4 (~7 min: every GPU test under the new defaults).
+# XD=8 w4 (~7 min: every GPU test under the new defaults). Then speculation at 8 slots,
+# whose verify rows of 2 tokens make 16-row products: NS=8 ROUNDS=2
+# CONFIGS=plain:off,mtp:on,ngram:auto SPEC_ARGS="--dtype bf16 --dense" c9, the demo model in
+# the tree, with SLOTSERVE_GEMV_MMA_ROWS=16 and without (~5 min each).
 # Session 19's plan (~22 min, one lease): q1 (as l1: carry .gpu_a .gpu_w, the demo model out of the
 # tree), q2 (carry .gpu_b .gpu_llama): MLX, the 0.8B, llama.cpp's build started; the tensor-core
 # staged products' GPU tests (cores 11-15 beside the build), timelines at N = 8 with them on,
