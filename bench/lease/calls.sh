@@ -136,12 +136,13 @@
 # run alone (w6) and timelines at N = 16 and 8 by hand: PERFORMANCE.md "Session 24"
 # (h200_v31). Make .gpu_old with transport/ (its harness imports it):
 #   git archive 1fd5c45 engine transport bench/harness.py | tar -x -C .gpu_old
-# Next lease (session 25 plan, ~15 min): l1; then y2 (carry .gpu_b, ~7 min): MLX, the 0.8B,
+# Next lease (session 25 plan, ~30 min): l1; then y2 (carry .gpu_b, ~6 min): MLX, the 0.8B,
 # the GPU tests of the 16-row tensor-core products (db1c29c, SLOTSERVE_GEMV_MMA_ROWS=16, off
 # until they pass) and of the radix select (SLOTSERVE_TOPK=1, off), timelines at N = 16
 # with and without the first, the sampled one at N = 8 after b245151 (the partition reads
-# the logits: the 145 us divide should go) and with the radix select, tokens/s at 12 and 16
-# rows both ways, twice. Where tests pass and a switch gains: make it the default, then
+# the logits: the 145 us divide should go) and with the radix select; y3 (~5 min):
+# sampling_speed with and without the radix select, tokens/s at 12 and 16 rows both ways,
+# twice. Where tests pass and a switch gains: make it the default, then
 # XD=8 w4 (~7 min: every GPU test under the new defaults). Then speculation at 8 slots,
 # whose verify rows of 2 tokens make 16-row products: NS=8 ROUNDS=2
 # CONFIGS=plain:off,mtp:on,ngram:auto SPEC_ARGS="--dtype bf16 --dense" c9, the demo model in
@@ -456,12 +457,20 @@ y2)  # carry .gpu_b, after l1 (session 25 plan): the 16-row tensor-core products
     { echo "== $name"; grep -v -i warn "/tmp/y2_tl_$name.md"; } >> "$OUT/y2_tl.md"
     echo "== $name"; grep -E "^N=" "/tmp/y2_tl_$name.md" | cut -c1-200
   done
-  R2="sampled::--sampled topk:SLOTSERVE_TOPK=1:--sampled" bash "$0" tl
+  R2="sampled::--sampled topk:SLOTSERVE_TOPK=1:--sampled" bash "$0" tl ;;
+y3)  # after y2: sampling with and without the radix select; tokens/s at 12 and 16 rows
+  export PYTHONPATH=/tmp/site:$PWD
+  for t in 0 1 0 1; do
+    { echo "== SLOTSERVE_TOPK=$t"; SLOTSERVE_TOPK=$t taskset -c 0-7 timeout 60 python3 \
+      bench/sampling_speed.py --vocab 248320 --n 1,8,32 --number 3 --repeat 3; } \
+      >> "$OUT/y3_sampling.md" 2>&1
+  done
+  grep -E "^==|Qwen" "$OUT/y3_sampling.md"
   S=""; for i in 1 2; do
     S="$S --setting r8_$i:ARGS=--overlap --setting r16_$i:SLOTSERVE_GEMV_MMA_ROWS=16,ARGS=--overlap"; done
   taskset -c 0-7 timeout ${TS:-200} python3 bench/mlx_env_sweep.py --model-dir $M \
-    --preset qwen3.5-0.8b --quant f16 --gen 32 --n 12,16 --json "$OUT/y2_sweep.json" $S \
-    > "$OUT/y2_sweep.md" 2>&1; tail -n 10 "$OUT/y2_sweep.md" ;;
+    --preset qwen3.5-0.8b --quant f16 --gen 32 --n 12,16 --json "$OUT/y3_sweep.json" $S \
+    > "$OUT/y3_sweep.md" 2>&1; tail -n 10 "$OUT/y3_sweep.md" ;;
 w4)  # the GPU tests, TK selecting the files; XD workers (pytest-xdist: NVRTC's compiles are
   # the host's, one core each — a serial run held about half of them in 9 minutes)
   export PYTHONPATH=/tmp/site:$PWD
