@@ -333,3 +333,38 @@ def test_the_host_pool_kernels_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     built = [log for t, log in nvrtc_check.Checked.seen.items() if "slotserve_host_pieces" in t]
     counts = {host_pool._pieces(n) for n in (3, 5, 8, 9, 17, 33, 64) if n <= host_pool.MAX_VALUES}
     assert len(built) == len(counts) and all(log is None for log in built), built
+
+
+def test_precompile_draws_builds_every_host_pool_kernel_a_sampled_step_meets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`precompile_draws` at 1, 2, 4, 8 rows (5 slots: up to the next power of two) builds
+    the host pool's kernels for every piece count a sampled step of 1-5 rows then meets —
+    the uniforms' stack and the tokens' read-back: on the H200 each took 1.3-1.8 s to build
+    at its first use (session 24), a stall of the first step of its width. (MLX's own
+    compiles are off here: eager draws, the same kernels of ours.)"""
+    from engine import sampling
+    from engine.kernels import host_pool
+
+    monkeypatch.setenv(host_pool.ENV, "1")
+    kinds = [
+        sampling.SamplingParams(temperature=1.0),
+        sampling.SamplingParams(top_k=40),
+        sampling.SamplingParams(top_p=0.9),
+    ]
+    nvrtc_check.Checked.seen.clear()
+    nvrtc = nvrtc_check.Nvrtc(nvrtc_check.installed())  # type: ignore[arg-type]
+    mx.disable_compile()
+    try:
+        with nvrtc_check.kernels_checked(nvrtc):
+            sampling.precompile_draws(3000, rows=5)
+            built = set(nvrtc_check.Checked.seen)
+            for n in range(1, 6):
+                for p in kinds:
+                    tokens = sampling.device_tokens(mx.zeros((n, 3000)), [p] * n, [0.5] * n)
+                    assert host_pool.to_host(tokens).shape == (n,)
+    finally:
+        mx.enable_compile()
+    assert set(nvrtc_check.Checked.seen) == built  # nothing new to build at any width
+    pool = [t for t in built if "slotserve_host_pieces" in t or "slotserve_stack" in t]
+    assert len(pool) == 4 and all(nvrtc_check.Checked.seen[t] is None for t in pool), pool
