@@ -207,13 +207,16 @@ class Shaping:
     row truncates) top_k, top_p and min_p `[N, 1]`. `greedy_only`: every row is greedy (a
     static part too: such rows' draws are their argmax, their q a point mass nobody needs).
     `candidates`: every sampled row's top-k is at most `CANDIDATES` (static: its kept
-    tokens are found among that many largest logits, not by sorting the vocabulary).
+    tokens are found among that many largest logits, not by sorting the vocabulary);
+    `topk_kernel`: found by `topk_cuda`'s radix select (SLOTSERVE_TOPK), not MLX's
+    argpartition (static too: a graph traced one way is not reused the other).
     """
 
     truncate: bool
     arrays: tuple[mx.array, ...]
     greedy_only: bool = False
     candidates: bool = False
+    topk_kernel: bool = False
 
     @classmethod
     def of(cls, params: Sequence[SamplingParams]) -> Shaping:
@@ -226,12 +229,14 @@ class Shaping:
         top_p = mx.array([p.top_p for p in params], dtype=mx.float32)[:, None]
         min_p = mx.array([p.min_p for p in params], dtype=mx.float32)[:, None]
         by_candidates = all(_by_candidates(p) for p in params if not p.greedy)
-        return cls(True, (greedy, temp, top_k, top_p, min_p), candidates=by_candidates)
+        arrays = (greedy, temp, top_k, top_p, min_p)
+        topk_kernel = by_candidates and topk_cuda.enabled()
+        return cls(True, arrays, candidates=by_candidates, topk_kernel=topk_kernel)
 
     @property
-    def key(self) -> tuple[bool, bool, bool]:
+    def key(self) -> tuple[bool, bool, bool, bool]:
         """The static part a compiled graph keys on."""
-        return self.truncate, self.greedy_only, self.candidates
+        return self.truncate, self.greedy_only, self.candidates, self.topk_kernel
 
     def padded(self, n: int) -> Shaping:
         """The same rows and `n` more shaped as the first (rows padding a batch)."""
@@ -249,7 +254,8 @@ class Shaping:
         logits = logits.astype(mx.float32)
         V = logits.shape[-1]
         if self.candidates and V > CANDIDATES:
-            ids, w = _candidate_weights(logits, temp, *self.arrays[2:])
+            k, top_p, min_p = self.arrays[2:]
+            ids, w = _candidate_weights(logits, temp, k, top_p, min_p, self.topk_kernel)
             probs = mx.put_along_axis(
                 mx.zeros_like(logits), ids, w / w.sum(axis=-1, keepdims=True), axis=-1
             )
@@ -388,7 +394,7 @@ def device_tokens(
     return tokens
 
 
-def precompile_draws(vocab: int, rows: int = 4) -> None:
+def precompile_draws(vocab: int, rows: int) -> None:
     """Run each kind of device draw (temperature only, top-k's candidates, a sorted top-p)
     over zero logits of `vocab` tokens, and read its tokens back as `sample` does, at 1, 2,
     4, ... rows up to the first power of two >= `rows`: on a GPU the first draw of a kind
@@ -427,16 +433,16 @@ def _sampled_tokens(logits: mx.array, params: Sequence[SamplingParams], u: mx.ar
     if not shaping.truncate:
         return _compiled("plain")(logits, temp, u)
     if shaping.candidates and logits.shape[-1] > CANDIDATES:
-        return _compiled("candidates", topk_cuda.enabled())(logits, temp, u, *truncation)
+        draw_fn = _compiled("candidates", topk_kernel=shaping.topk_kernel)
+        return draw_fn(logits, temp, u, *truncation)
     return _compiled("sorted")(logits, temp, u, *truncation)
 
 
 @functools.cache
-def _compiled(kind: str, topk_kernel: bool = False) -> Callable[..., mx.array]:
-    """A kind's draw compiled — the candidates' once for each way of finding them
-    (`topk_kernel`: SLOTSERVE_TOPK, which `_candidate_weights` reads as the graph is traced)."""
-    draw = _DRAWS[kind]  # (a function of its own each: MLX keys what it traced by the function)
-    return cast(Callable[..., mx.array], mx.compile(lambda *args: draw(*args)))
+def _compiled(kind: str, **static: bool) -> Callable[..., mx.array]:
+    """A kind's draw compiled, its static arguments bound (the candidates' `topk_kernel`):
+    a compiled function for each, as MLX keys what it traced by the function."""
+    return cast(Callable[..., mx.array], mx.compile(functools.partial(_DRAWS[kind], **static)))
 
 
 def _plain_draw(logits: mx.array, temp: mx.array, u: mx.array) -> mx.array:
@@ -452,25 +458,37 @@ def _sorted_draw(
 
 
 def _candidates_draw(
-    logits: mx.array, temp: mx.array, u: mx.array, k: mx.array, top_p: mx.array, min_p: mx.array
+    logits: mx.array,
+    temp: mx.array,
+    u: mx.array,
+    k: mx.array,
+    top_p: mx.array,
+    min_p: mx.array,
+    topk_kernel: bool = False,
 ) -> mx.array:
-    ids, w = _candidate_weights(logits, temp, k, top_p, min_p)
+    ids, w = _candidate_weights(logits, temp, k, top_p, min_p, topk_kernel)
     by_id = mx.argsort(ids, axis=-1)  # (the draw runs in vocabulary order)
     w, ids = mx.take_along_axis(w, by_id, axis=-1), mx.take_along_axis(ids, by_id, axis=-1)
     return mx.take_along_axis(ids, draw(w, u)[:, None], axis=-1).squeeze(-1).astype(mx.int32)
 
 
 def _candidate_weights(
-    logits: mx.array, temp: mx.array, k: mx.array, top_p: mx.array, min_p: mx.array
+    logits: mx.array,
+    temp: mx.array,
+    k: mx.array,
+    top_p: mx.array,
+    min_p: mx.array,
+    topk_kernel: bool = False,
 ) -> tuple[mx.array, mx.array]:
     """A row's `CANDIDATES` largest of z = logits / temp (`logits [N, V]`, `temp [N, 1]`), in
     descending order: their ids and weights exp(z - max z), 0 where top-k, top-p or min-p
     drops them (every row's top-k at most `CANDIDATES`, so nothing outside them is kept).
     The partition reads the logits as they are — z's order is theirs (temp > 0) — and only
     the candidates are divided: on the H200 the whole-vocabulary `-(logits / temp)` took
-    145 us at 8 rows, more than the partition's sort (session 24's sampled timeline)."""
+    145 us at 8 rows, more than the partition's sort (session 24's sampled timeline).
+    `topk_kernel`: the candidates by `topk_cuda`'s radix select (one launch a step)."""
     V = logits.shape[-1]
-    if topk_cuda.enabled():  # (SLOTSERVE_TOPK=1: a radix select, one launch a step)
+    if topk_kernel:
         ids = topk_cuda.topk_ids(logits, CANDIDATES)
     else:
         ids = mx.argpartition(logits, V - CANDIDATES, axis=-1)[:, V - CANDIDATES :]

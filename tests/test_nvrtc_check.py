@@ -238,25 +238,34 @@ def test_nine_to_sixteen_rows_take_tensor_cores_only_where_switched(
     assert any("int BS = 2;" in t for t in built)
 
 
-def test_the_topk_kernel_compiles(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_topk_kernel_compiles_and_a_sampled_top_k_row_takes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """SLOTSERVE_TOPK=1: the radix select compiles for float32 and bf16 rows (the GPU test
-    runs it: tests/test_topk_cuda.py), and a sampled top-k draw goes through it."""
+    runs it: tests/test_topk_cuda.py), and a top-k row's draw finds its candidates through
+    it (float16 logits: a variant only that draw builds); off, the draw builds none."""
     from engine import sampling
     from engine.kernels import topk_cuda
 
-    monkeypatch.setenv(topk_cuda.ENV, "1")
-    nvrtc_check.Checked.seen.clear()
+    params = [sampling.SamplingParams(temperature=0.7, top_k=20, top_p=0.8)] * 2
+    logits = mx.zeros((2, 5000), mx.float16)
     nvrtc = nvrtc_check.Nvrtc(nvrtc_check.installed())  # type: ignore[arg-type]
-    with nvrtc_check.kernels_checked(nvrtc):
-        assert topk_cuda.enabled()
-        for dtype in (mx.float32, mx.bfloat16):
-            ids = topk_cuda.topk_ids(mx.zeros((8, 248_320), dtype), sampling.CANDIDATES)
-            assert ids.shape == (8, sampling.CANDIDATES) and ids.dtype == mx.uint32
-        x = mx.zeros((2, 5000), mx.float32)
-        params = [sampling.SamplingParams(temperature=0.7, top_k=20, top_p=0.8)] * 2
-        sampling._candidate_weights(x, mx.ones((2, 1)), *sampling.Shaping.of(params).arrays[2:])
+    mx.disable_compile()  # (the draws eager: MLX's own compiles on this CPU take seconds)
+    try:
+        with nvrtc_check.kernels_checked(nvrtc):
+            for on in ("0", "1"):
+                monkeypatch.setenv(topk_cuda.ENV, on)
+                nvrtc_check.Checked.seen.clear()
+                sampling.device_tokens(logits, params, [0.5, 0.5])
+                drawn = [t for t in nvrtc_check.Checked.seen if "slotserve_topk" in t]
+                assert len(drawn) == int(on) and all("__half" in t for t in drawn), drawn
+            for dtype in (mx.float32, mx.bfloat16):
+                ids = topk_cuda.topk_ids(mx.zeros((8, 248_320), dtype), sampling.CANDIDATES)
+                assert ids.shape == (8, sampling.CANDIDATES) and ids.dtype == mx.uint32
+    finally:
+        mx.enable_compile()
     built = {t: log for t, log in nvrtc_check.Checked.seen.items() if "slotserve_topk" in t}
-    assert len(built) == 2 and all(log is None for log in built.values()), built
+    assert len(built) == 3 and all(log is None for log in built.values()), built
     with pytest.raises(ValueError, match="2000 of 1000"):
         topk_cuda.topk_ids(mx.zeros((1, 1000)), 2000)
 
