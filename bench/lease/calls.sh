@@ -158,6 +158,34 @@ L=/tmp/llama/llama.cpp/build/bin/llama-batched-bench
 # session 21's defaults, against which session 22's are timed (v2b, v3)
 OLD=SLOTSERVE_GEMV_MMA_BLOCKS=1,SLOTSERVE_HOST_POOL=0,SLOTSERVE_ATTENTION_SPLIT=0
 export PYTHONPATH=/tmp/site:$PWD
+
+# mlx_env_sweep.py's --setting flags for NAME:SETTING... in turn, twice (NAME_1, NAME_2):
+# the settings compared alternate, against the host's changes of speed
+alternated() {
+  local s="" i v
+  for i in 1 2; do for v in "$@"; do s="$s --setting ${v%%:*}_$i:${v#*:}"; done; done
+  echo "$s"
+}
+# tokens/s of the 0.8B at the rows NS under alternated settings, into $OUT/NAME_sweep.*
+sweep() {
+  local name=$1 ns=$2; shift 2
+  taskset -c 0-7 timeout ${TS:-200} python3 bench/mlx_env_sweep.py --model-dir $M \
+    --preset qwen3.5-0.8b --quant f16 --gen 32 --n $ns --json "$OUT/${name}_sweep.json" \
+    $(alternated "$@") > "$OUT/${name}_sweep.md" 2>&1
+  tail -n 14 "$OUT/${name}_sweep.md"
+}
+# bench/sampling_speed.py in this tree and in .gpu_old's, alternated, into $OUT/NAME_sampling.md
+sampling_before_after() {
+  local side dir
+  for side in new old new old; do
+    if [ $side = old ]; then dir=.gpu_old; else dir=.; fi
+    (cd $dir && PYTHONPATH=/tmp/site taskset -c 0-7 timeout 70 python3 bench/sampling_speed.py \
+      --vocab 248320 --n 1,8,32 --number 3 --repeat 3) > "/tmp/$1_$side.md" 2>&1
+    { echo "== $side"; cat "/tmp/$1_$side.md"; } >> "$OUT/$1_sampling.md"
+  done
+  grep -E "^==|\| 8 \|" "$OUT/$1_sampling.md" | head -20
+}
+
 case ${1:-} in
 c1)
   mkdir -p /tmp/keep && cp -r .gpu_a/. /tmp/keep/ && ls /tmp/keep ;;
@@ -195,12 +223,13 @@ f2)  # session 18's last lease (~300 s; after l1): timelines after every change,
     > "$OUT/f2_tests.txt" 2>&1; tail -n 2 "$OUT/f2_tests.txt"
   timeout 40 python3 -m pytest -q -p no:cacheprovider tests/test_batching.py -k "gather or padded" \
     > "$OUT/f2_tests_b.txt" 2>&1; tail -n 2 "$OUT/f2_tests_b.txt" ;;
-tl)  # timelines at N = 8 of R2's entries, name:SETTING[,SETTING]:ARGS[,ARG] ("-": the plain loop)
+tl)  # timelines at N = TN (8) of R2's entries, name:SETTING[,SETTING]:ARGS[,ARG] ("-": the
+  # plain loop)
   export PYTHONPATH=/tmp/site:$PWD
   for v in $R2; do
     IFS=: read name setting loop <<< "$v"; [ "$loop" = - ] && loop=
     env ${setting//,/ } taskset -c 0-7 timeout ${TR:-90} python3 bench/gpu_timeline.py \
-      --model-dir $M --preset qwen3.5-0.8b --quant f16 --n 8 ${loop//,/ } --warmup 3 --steps 6 \
+      --model-dir $M --preset qwen3.5-0.8b --quant f16 --n ${TN:-8} ${loop//,/ } --warmup 3 --steps 6 \
       --json "$OUT/tl_$name.json" --trace-dir /tmp/trace > "/tmp/tl_$name.md" 2>&1
     # (a call brings back 8 files at most: the tables go into one)
     { echo "== $name"; grep -v -i warn "/tmp/tl_$name.md"; } >> "$OUT/tl_all.md"
@@ -395,21 +424,9 @@ w2)  # carry .gpu_b .gpu_llama, after l1 (session 24 plan): MLX, the 0.8B, llama
   tail -n 4 "$OUT/w2_tests.txt"
   R2=${W2:-sampled::--sampled plain::-} bash "$0" tl ;;
 w3)  # carry .gpu_old, after w2: sampling before / after on the GPU; the pool at 32 rows
-  export PYTHONPATH=/tmp/site
-  for side in new old new old; do
-    if [ $side = old ]; then dir=.gpu_old; else dir=.; fi
-    (cd $dir && taskset -c 0-7 timeout 70 python3 bench/sampling_speed.py --vocab 248320 \
-      --n 1,8,32 --number 3 --repeat 3) > "/tmp/w3_$side.md" 2>&1
-    { echo "== $side"; cat "/tmp/w3_$side.md"; } >> "$OUT/w3_sampling.md"
-  done
-  grep -E "^==|\| 8 \|" "$OUT/w3_sampling.md"
-  export PYTHONPATH=/tmp/site:$PWD
-  S=""; for i in 1 2; do
-    S="$S --setting pool_$i:ARGS=--overlap --setting nopool_$i:SLOTSERVE_HOST_POOL=0,ARGS=--overlap"
-    S="$S --setting nosplit_$i:SLOTSERVE_ATTENTION_SPLIT=0,ARGS=--overlap"; done
-  taskset -c 0-7 timeout ${TS:-200} python3 bench/mlx_env_sweep.py --model-dir $M \
-    --preset qwen3.5-0.8b --quant f16 --gen 32 --n 32 --json "$OUT/w3_sweep.json" $S \
-    > "$OUT/w3_sweep.md" 2>&1; tail -n 6 "$OUT/w3_sweep.md"
+  sampling_before_after w3
+  sweep w3 32 pool:ARGS=--overlap nopool:SLOTSERVE_HOST_POOL=0,ARGS=--overlap \
+    nosplit:SLOTSERVE_ATTENTION_SPLIT=0,ARGS=--overlap
   # a fresh process's first sampled draws, with and without precompile_draws
   taskset -c 0-7 timeout 90 python3 bench/sampling_speed.py --vocab 248320 --cold \
     > "$OUT/w3_cold.md" 2>&1; cat "$OUT/w3_cold.md" ;;
@@ -426,20 +443,8 @@ w5)  # carry .gpu_b .gpu_old, after l1 on a fresh machine (session 24's second c
     > "$OUT/w5_tests.txt" 2>&1) &
   taskset -c 0-7 timeout 90 python3 bench/sampling_speed.py --vocab 248320 --cold \
     > "$OUT/w5_cold.md" 2>&1; cat "$OUT/w5_cold.md"
-  export PYTHONPATH=/tmp/site
-  for side in new old new old; do
-    if [ $side = old ]; then dir=.gpu_old; else dir=.; fi
-    (cd $dir && taskset -c 0-7 timeout 70 python3 bench/sampling_speed.py --vocab 248320 \
-      --n 1,8,32 --number 3 --repeat 3) > "/tmp/w5_$side.md" 2>&1
-    { echo "== $side"; cat "/tmp/w5_$side.md"; } >> "$OUT/w5_sampling.md"
-  done
-  grep -E "^==|\| 8 \|" "$OUT/w5_sampling.md" | head -20
-  export PYTHONPATH=/tmp/site:$PWD
-  S=""; for i in 1 2; do
-    S="$S --setting pool16_$i:ARGS=--overlap --setting nopool_$i:SLOTSERVE_HOST_POOL=0,ARGS=--overlap"; done
-  taskset -c 0-7 timeout ${TS:-200} python3 bench/mlx_env_sweep.py --model-dir $M \
-    --preset qwen3.5-0.8b --quant f16 --gen 32 --n 8,16,32 --json "$OUT/w5_sweep.json" $S \
-    > "$OUT/w5_sweep.md" 2>&1; tail -n 14 "$OUT/w5_sweep.md"
+  sampling_before_after w5
+  sweep w5 8,16,32 pool16:ARGS=--overlap nopool:SLOTSERVE_HOST_POOL=0,ARGS=--overlap
   wait; tail -n 16 "$OUT/w5_tests.txt" ;;
 y2)  # carry .gpu_b, after l1 (session 25 plan): the 16-row tensor-core products
   source .gpu_b/install-mlx-cuda.sh > /tmp/y2_install.txt 2>&1; tail -n 1 /tmp/y2_install.txt
@@ -449,28 +454,16 @@ y2)  # carry .gpu_b, after l1 (session 25 plan): the 16-row tensor-core products
     tests/test_gemv_prologue_cuda.py tests/test_topk_cuda.py -k "tensor_core or sixteen or topk" \
     > "$OUT/y2_tests.txt" 2>&1
   tail -n 6 "$OUT/y2_tests.txt"
-  for v in r8: r16:SLOTSERVE_GEMV_MMA_ROWS=16; do
-    IFS=: read name setting <<< "$v"
-    env $setting taskset -c 0-7 timeout 90 python3 bench/gpu_timeline.py --model-dir $M \
-      --preset qwen3.5-0.8b --quant f16 --n 16 --warmup 3 --steps 6 --json "/tmp/y2_tl_$name.json" \
-      --trace-dir /tmp/trace > "/tmp/y2_tl_$name.md" 2>&1
-    { echo "== $name"; grep -v -i warn "/tmp/y2_tl_$name.md"; } >> "$OUT/y2_tl.md"
-    echo "== $name"; grep -E "^N=" "/tmp/y2_tl_$name.md" | cut -c1-200
-  done
+  TN=16 R2="r8::- r16:SLOTSERVE_GEMV_MMA_ROWS=16:-" bash "$0" tl
   R2="sampled::--sampled topk:SLOTSERVE_TOPK=1:--sampled" bash "$0" tl ;;
 y3)  # after y2: sampling with and without the radix select; tokens/s at 12 and 16 rows
-  export PYTHONPATH=/tmp/site:$PWD
   for t in 0 1 0 1; do
     { echo "== SLOTSERVE_TOPK=$t"; SLOTSERVE_TOPK=$t taskset -c 0-7 timeout 60 python3 \
       bench/sampling_speed.py --vocab 248320 --n 1,8,32 --number 3 --repeat 3; } \
       >> "$OUT/y3_sampling.md" 2>&1
   done
   grep -E "^==|Qwen" "$OUT/y3_sampling.md"
-  S=""; for i in 1 2; do
-    S="$S --setting r8_$i:ARGS=--overlap --setting r16_$i:SLOTSERVE_GEMV_MMA_ROWS=16,ARGS=--overlap"; done
-  taskset -c 0-7 timeout ${TS:-200} python3 bench/mlx_env_sweep.py --model-dir $M \
-    --preset qwen3.5-0.8b --quant f16 --gen 32 --n 12,16 --json "$OUT/y3_sweep.json" $S \
-    > "$OUT/y3_sweep.md" 2>&1; tail -n 10 "$OUT/y3_sweep.md" ;;
+  sweep y3 12,16 r8:ARGS=--overlap r16:SLOTSERVE_GEMV_MMA_ROWS=16,ARGS=--overlap ;;
 w4)  # the GPU tests, TK selecting the files; XD workers (pytest-xdist: NVRTC's compiles are
   # the host's, one core each — a serial run held about half of them in 9 minutes)
   export PYTHONPATH=/tmp/site:$PWD
