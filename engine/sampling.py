@@ -192,6 +192,17 @@ def _row_adjustments(p: SamplingParams, history: Sequence[int]) -> tuple[Any, An
     return ids, np.where(hit, p.repetition_penalty, 1.0), penalized
 
 
+def _divisor(p: SamplingParams) -> float:
+    """What a row's logits are divided by, after its largest is taken from them (so no
+    quotient overflows): its temperature, at least float32's smallest normal — a valid
+    temperature as small as 1e-39 is 0 or subnormal in float32, and drew garbage; there, as
+    its limit, the largest logit (ties shared) — and 1 for a greedy row (not divided)."""
+    return 1.0 if p.greedy else max(p.temperature, _FLOAT32_TINY)
+
+
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+
+
 def distribution(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:
     """Per-row sampling distribution `[N, V]` (float32, rows sum to 1)."""
     return Shaping.of(params)(logits)
@@ -221,7 +232,7 @@ class Shaping:
     @classmethod
     def of(cls, params: Sequence[SamplingParams]) -> Shaping:
         greedy = mx.array([p.greedy for p in params])[:, None]
-        temp = mx.array([p.temperature if not p.greedy else 1.0 for p in params])[:, None]
+        temp = mx.array([_divisor(p) for p in params])[:, None]
         if not any(p.top_k or p.top_p < 1.0 or p.min_p > 0.0 for p in params if not p.greedy):
             return cls(False, (greedy, temp), all(p.greedy for p in params))
         every = np.iinfo(np.int32).max  # top_k 0 (off) keeps every rank
@@ -260,7 +271,7 @@ class Shaping:
                 mx.zeros_like(logits), ids, w / w.sum(axis=-1, keepdims=True), axis=-1
             )
         else:
-            z = logits / temp
+            z = (logits - logits.max(axis=-1, keepdims=True)) / temp
             probs = mx.softmax(self._truncate(z) if self.truncate else z, axis=-1)
         one_hot = mx.arange(V)[None, :] == mx.argmax(logits, axis=-1, keepdims=True)
         return mx.where(greedy, one_hot.astype(mx.float32), probs)
@@ -446,15 +457,15 @@ def _compiled(kind: str, **static: bool) -> Callable[..., mx.array]:
 
 
 def _plain_draw(logits: mx.array, temp: mx.array, u: mx.array) -> mx.array:
-    z = logits.astype(mx.float32) / temp
-    return draw(mx.exp(z - z.max(axis=-1, keepdims=True)), u)
+    x = logits.astype(mx.float32)
+    return draw(mx.exp((x - x.max(axis=-1, keepdims=True)) / temp), u)
 
 
 def _sorted_draw(
     logits: mx.array, temp: mx.array, u: mx.array, k: mx.array, top_p: mx.array, min_p: mx.array
 ) -> mx.array:
-    z = logits.astype(mx.float32) / temp
-    return draw(mx.exp(_truncated(z, k, top_p, min_p) - z.max(axis=-1, keepdims=True)), u)
+    x = logits.astype(mx.float32)
+    return draw(mx.exp(_truncated((x - x.max(axis=-1, keepdims=True)) / temp, k, top_p, min_p)), u)
 
 
 def _candidates_draw(
@@ -492,7 +503,8 @@ def _candidate_weights(
         ids = topk_cuda.topk_ids(logits, CANDIDATES)
     else:
         ids = mx.argpartition(logits, V - CANDIDATES, axis=-1)[:, V - CANDIDATES :]
-    zc = mx.take_along_axis(logits, ids, axis=-1).astype(mx.float32) / temp
+    xc = mx.take_along_axis(logits, ids, axis=-1).astype(mx.float32)
+    zc = (xc - xc.max(axis=-1, keepdims=True)) / temp  # (the row's max is a candidate)
     order = mx.argsort(-zc, axis=-1)
     zs, ids = mx.take_along_axis(zc, order, axis=-1), mx.take_along_axis(ids, order, axis=-1)
     return ids, mx.where(_kept_of_sorted(zs, k, top_p, min_p), mx.exp(zs - zs[:, :1]), 0.0)
@@ -542,9 +554,10 @@ def _host_row(logits: np.ndarray, p: SamplingParams, u: float) -> int:
     are found among the row's largest logits — its top-k, or `HOST_CANDIDATES` widened
     until the kept prefix ends strictly above the smallest candidate (then no token outside
     could be kept, ties included) — and drawn from in vocabulary order, the CDF in float64."""
-    z = logits / np.float32(p.temperature)
+    with np.errstate(over="ignore"):  # (-inf past float32: a weight of 0, as intended)
+        z = (logits - logits.max()) / np.float32(_divisor(p))
     V = z.size
-    m = z.max()
+    m = np.float32(0.0)
     if not (p.top_k or p.top_p < 1.0 or p.min_p > 0.0):
         return _host_draw(np.exp(z - m), u)
     k = p.top_k if 0 < p.top_k < V else V

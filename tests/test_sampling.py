@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -361,3 +362,22 @@ def test_token_logprobs_are_the_log_softmax_and_its_top_n_in_order(V_: int) -> N
 def test_a_vocabulary_is_blocked_by_a_divisor_where_it_has_one() -> None:
     assert draw_block(248_320) == 970 and draw_block(151_936) == 1187
     assert draw_block(BIG_V) == DRAW_BLOCK  # (a prime: padded)
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-39, 1e-30])
+@pytest.mark.parametrize(
+    "truncation", [{}, {"top_k": 20, "top_p": 0.8}, {"top_p": 0.9}], ids=["none", "qwen", "top_p"]
+)
+def test_a_temperature_too_small_for_float32_draws_its_limit_the_argmax(
+    temperature: float, truncation: dict[str, Any]
+) -> None:
+    """A valid temperature that is 0 or subnormal in float32 (or whose quotients would
+    overflow) draws the largest logit on every path, whatever u — it drew token 0 or the
+    vocabulary's last before the logits' largest was taken from them first."""
+    x = mx.array(np.random.default_rng(9).normal(0, 30, (3, BIG_V)).astype(np.float32))
+    params = [SamplingParams(temperature=temperature, **truncation)] * 3
+    us = [0.001, 0.5, 0.999]
+    want = np.array(x).argmax(axis=-1).tolist()
+    assert host_tokens(np.array(x), params, us).tolist() == want
+    assert np.array(device_tokens(x, params, us)).tolist() == want
+    assert np.array(draw(distribution(x, params), np.array(us))).tolist() == want
